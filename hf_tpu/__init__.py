@@ -1,0 +1,15 @@
+"""hf_tpu: a PyTorch ``"tpu"`` device on JAX/XLA for the Hugging Face stack.
+
+Importing hf_tpu (or just ``import torch`` once hf_tpu is installed, through torch's backend
+autoload) registers the device::
+
+    import torch
+    x = torch.ones(2, device="tpu")
+"""
+
+from .backend import register
+
+register()
+
+__all__ = ["register"]
+__version__ = "0.1.0"

@@ -1,0 +1,203 @@
+"""``torch.tpu``: the device module that torch, transformers, diffusers and accelerate call.
+
+Functions follow ``torch.cuda``'s names and semantics. Memory figures count live device buffers
+created by hf_tpu; ``mem_get_info`` asks the JAX device (and the host, on JAX's CPU platform).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import torch
+
+from . import memory_stats as _stats
+from . import random_state, runtime
+
+_local = threading.local()
+_initialized = False
+
+
+class _DeviceProperties(NamedTuple):
+    name: str
+    platform: str
+    total_memory: int
+    multi_processor_count: int
+
+
+def _index(device: Any = None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "tpu":
+            raise ValueError(f"Expected a tpu device, but got: {device}")
+        index = current_device() if device.index is None else device.index
+    count = device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"Invalid device index tpu:{index}: there {'is' if count == 1 else 'are'} {count} tpu device(s).")
+    return index
+
+
+def is_available() -> bool:
+    """Always True: without TPU chips the device runs on JAX's CPU (or GPU) platform."""
+    return True
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+def _lazy_init() -> None:
+    global _initialized
+    runtime.devices()
+    _initialized = True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    _lazy_init()
+    return len(runtime.devices())
+
+
+def current_device() -> int:
+    return getattr(_local, "index", 0)
+
+
+def set_device(device: Any) -> None:
+    _local.index = _index(device)
+
+
+class device(contextlib.ContextDecorator):
+    """Context manager that makes ``device`` the current tpu device."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = -1 if device is None else _index(device)
+        self.previous = 0
+
+    def __enter__(self) -> None:
+        self.previous = current_device()
+        if self.index >= 0:
+            _local.index = self.index
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.index = self.previous
+
+
+def synchronize(device: Any = None) -> None:
+    """Waits until every computation queued on the device has finished."""
+    from . import storage
+
+    storage.wait_for_pending(_index(device))
+
+
+def manual_seed(seed: int) -> None:
+    random_state.manual_seed(seed, current_device())
+
+
+def manual_seed_all(seed: int) -> None:
+    for index in range(max(device_count(), 1)):
+        random_state.manual_seed(seed, index)
+
+
+def seed() -> None:
+    random_state.seed(current_device())
+
+
+def seed_all() -> None:
+    value = random_state.seed(0)
+    for index in range(1, device_count()):
+        random_state.manual_seed(value, index)
+
+
+def initial_seed() -> int:
+    return random_state.initial_seed(current_device())
+
+
+def get_rng_state(device: Any = "tpu") -> torch.Tensor:
+    return random_state.get_state(_index(device))
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "tpu") -> None:
+    random_state.set_state(new_state, _index(device))
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [random_state.get_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for index, state in enumerate(new_states):
+        random_state.set_state(state, index)
+
+
+def empty_cache() -> None:
+    """Nothing to release: device buffers are freed as soon as their storage dies."""
+
+
+def memory_allocated(device: Any = None) -> int:
+    return _stats.current(_index(device))
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return _stats.peak(_index(device))
+
+
+def memory_reserved(device: Any = None) -> int:
+    return _stats.current(_index(device))
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    return _stats.peak(_index(device))
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    _stats.reset_peak(_index(device))
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def memory_stats(device: Any = None) -> OrderedDict[str, int]:
+    return OrderedDict(sorted(_stats.stats(_index(device)).items()))
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of device memory; on JAX's CPU platform, of host memory."""
+    jax_device = runtime.device(_index(device))
+    stats = jax_device.memory_stats() if hasattr(jax_device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page_size, pages * page_size
+
+
+def get_device_name(device: Any = None) -> str:
+    return runtime.device_name(_index(device))
+
+
+def get_device_properties(device: Any = None) -> _DeviceProperties:
+    index = _index(device)
+    return _DeviceProperties(get_device_name(index), runtime.device(index).platform, mem_get_info(index)[1], 1)
+
+
+def get_device_capability(device: Any = None) -> dict[str, Any]:
+    return {"platform": runtime.device(_index(device)).platform}
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16]
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True

@@ -1,0 +1,313 @@
+"""The op table: ATen overloads -> JAX lowerings -> PrivateUse1 kernels.
+
+A lowering is a plain function from JAX arrays (and static Python values) to JAX arrays, written
+with the same parameter list as the ATen schema::
+
+    @lowering("add.Tensor", "add_.Tensor", "add.out")
+    def add(self, other, alpha=1):
+        ...
+
+One lowering serves the functional overload, its in-place twin and its ``out=`` form: the kernel
+built from the schema reads tensor arguments from device storage, calls the lowering under a
+``jax.jit`` cached per static arguments (JAX caches per shape and dtype), and then either wraps the
+results in new tpu tensors or writes them into the mutated arguments (``self`` of ``add_``, ``out``).
+Tensor and Scalar arguments are traced; every other argument (dims, dtypes, flags) is static.
+The same table is what graph mode lowers FX graphs with.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import torch
+
+from . import dtypes, storage
+
+_TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
+_REQUIRED = object()
+
+
+@dataclass
+class Lowering:
+    fn: Callable[..., Any]
+    static: frozenset[str] = frozenset()
+    names: list[str] = field(default_factory=list)
+
+
+LOWERINGS: dict[str, Lowering] = {}
+CUSTOM_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+def lowering(*names: str, static: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Registers a JAX lowering for ATen overloads (``"add.Tensor"``; namespace ``aten`` unless given).
+
+    ``static`` names Scalar parameters whose value must be known at trace time (e.g. ``arange``'s
+    bounds, which decide the output shape).
+    """
+
+    def register(fn: Callable) -> Callable:
+        entry = Lowering(fn, frozenset(static), list(names))
+        for name in names:
+            LOWERINGS[name] = entry
+        return fn
+
+    return register
+
+
+def kernel(*names: str) -> Callable[[Callable], Callable]:
+    """Registers a hand-written PrivateUse1 kernel (torch tensors in, torch tensors out)."""
+
+    def register(fn: Callable) -> Callable:
+        for name in names:
+            CUSTOM_KERNELS[name] = fn
+        return fn
+
+    return register
+
+
+def resolve(name: str) -> torch._ops.OpOverload:
+    namespace, _, rest = name.rpartition("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace or "aten"), packet), overload or "default")
+
+
+def _kind(argument: torch._C.Argument, static: frozenset[str]) -> int:
+    text = str(argument.type)
+    if argument.name in static:
+        return _STATIC
+    if text == "Tensor":
+        return _TENSOR
+    if text == "Optional[Tensor]":
+        return _OPT_TENSOR
+    if text in ("List[Tensor]", "List[Optional[Tensor]]"):
+        return _TENSOR_LIST
+    if text in ("number", "Optional[number]", "List[number]"):
+        return _SCALAR
+    return _STATIC
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def device_mismatch(first: Any, second: Any) -> RuntimeError:
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"{first} and {second}!"
+    )
+
+
+class _Inputs:
+    """Reads tensor arguments into JAX arrays, checking that they share one tpu device."""
+
+    __slots__ = ("device_index",)
+
+    def __init__(self) -> None:
+        self.device_index = None
+
+    def read(self, tensor: torch.Tensor) -> Any:
+        try:
+            buffer = tensor.untyped_storage()._hf_buffer
+        except AttributeError:
+            return self._foreign(tensor)
+        if self.device_index is None:
+            self.device_index = buffer.device_index
+        elif buffer.device_index != self.device_index:
+            raise device_mismatch(f"tpu:{self.device_index}", f"tpu:{buffer.device_index}")
+        return storage.read(tensor)
+
+    def _foreign(self, tensor: torch.Tensor) -> Any:
+        if not isinstance(tensor, torch.Tensor):  # a wrapped Python number, e.g. the 2 in `x + 2`
+            return tensor
+        # Like CUDA, a zero-dim CPU tensor may join a device op as a scalar operand.
+        if tensor.device.type == "cpu" and tensor.dim() == 0:
+            host = tensor.detach().resolve_conj().resolve_neg()
+            return np.asarray(host.view(torch.int16).numpy() if host.dtype == torch.bfloat16 else host.numpy()).view(
+                dtypes.host_numpy_dtype(host.dtype)
+            )
+        raise device_mismatch(f"tpu:{self.device_index or 0}", tensor.device)
+
+    def read_optional(self, tensor: torch.Tensor | None) -> Any:
+        return None if tensor is None else self.read(tensor)
+
+    def read_list(self, tensors: list) -> tuple:
+        return tuple(None if t is None else self.read(t) for t in tensors)
+
+
+def check_cast(value: Any, destination: torch.Tensor) -> None:
+    result = dtypes.to_torch(value.dtype)
+    if result != destination.dtype and not torch.can_cast(result, destination.dtype):
+        raise RuntimeError(f"result type {_type_name(result)} can't be cast to the desired output type {_type_name(destination.dtype)}")
+
+
+def _type_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+            torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat",
+            torch.complex128: "ComplexDouble"}.get(dtype, str(dtype))
+
+
+def resize_output(out: torch.Tensor, shape: tuple) -> None:
+    if tuple(out.shape) != tuple(shape):
+        if out.numel():
+            import warnings
+
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape {list(out.shape)}, which does not "
+                f"match the required output shape {list(shape)}. This behavior is deprecated.",
+                UserWarning,
+            )
+        out.resize_(shape)
+
+
+def _store(destination: torch.Tensor, value: Any, is_out: bool) -> None:
+    if is_out:
+        resize_output(destination, value.shape)
+    else:
+        check_cast(value, destination)
+    storage.write(destination, value)
+
+
+def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., Any]:
+    schema = op._schema
+    arguments = list(schema.arguments)
+    names = [a.name for a in arguments]
+    defaults = [a.default_value if a.has_default_value() else _REQUIRED for a in arguments]
+    written = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
+    is_out = [w and a.kwarg_only for w, a in zip(written, arguments)]
+    inputs = [i for i in range(len(arguments)) if not is_out[i]]
+    kinds = [_kind(arguments[i], entry.static) for i in inputs]
+    dynamic_slots = [slot for slot, kind in enumerate(kinds) if kind != _STATIC]
+    static_slots = [slot for slot, kind in enumerate(kinds) if kind == _STATIC]
+    destinations = [i for i in range(len(arguments)) if written[i]]
+    device_arg = names.index("device") if "device" in names else None
+    returns = list(schema.returns)
+    returns_written = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
+    position = {name: i for i, name in enumerate(names)}
+    lowering_fn = entry.fn
+    jitted: dict[tuple, Callable] = {}
+
+    def compile_for(static_values: tuple) -> Callable:
+        def traced(*dynamic_values):
+            call = [None] * len(inputs)
+            for slot, value in zip(dynamic_slots, dynamic_values):
+                call[slot] = value
+            for slot, value in zip(static_slots, static_values):
+                call[slot] = value
+            return lowering_fn(*call)
+
+        fn = jax.jit(traced)
+        jitted[static_values] = fn
+        return fn
+
+    def bind(args: tuple, kwargs: dict) -> list:
+        bound = list(args) + defaults[len(args):]
+        for name, value in kwargs.items():
+            bound[position[name]] = value
+        return bound
+
+    def run(*args, **kwargs):
+        bound = bind(args, kwargs)
+        reader = _Inputs()
+        dynamic = []
+        for slot in dynamic_slots:
+            value = bound[inputs[slot]]
+            kind = kinds[slot]
+            if kind == _TENSOR:
+                value = reader.read(value)
+            elif kind == _OPT_TENSOR:
+                value = reader.read_optional(value)
+            elif kind == _TENSOR_LIST:
+                value = reader.read_list(value)
+            elif isinstance(value, list):
+                value = tuple(value)
+            dynamic.append(value)
+        static_values = tuple(_frozen(bound[inputs[slot]]) for slot in static_slots)
+        fn = jitted.get(static_values) or compile_for(static_values)
+        result = fn(*dynamic)
+
+        if destinations:
+            outs = [bound[i] for i in destinations]
+            if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # foreach in-place: list of tensors
+                for tensor, value in zip(outs[0], result):
+                    _store(tensor, value, False)
+            else:
+                values = result if isinstance(result, (tuple, list)) and len(outs) > 1 else (result,)
+                for i, tensor, value in zip(destinations, outs, values):
+                    _store(tensor, value, is_out[i])
+            if not returns:
+                return None
+            if returns_written:
+                return outs[0] if len(outs) == 1 else tuple(outs)
+
+        device_index = reader.device_index
+        if device_index is None:
+            device_index = _device_index(bound[device_arg] if device_arg is not None else None)
+        if isinstance(result, (tuple, list)):
+            wrapped = [storage.wrap(r, dtypes.to_torch(r.dtype), device_index) for r in result]
+            return wrapped if str(returns[0].type).startswith("List") else tuple(wrapped)
+        return storage.wrap(result, dtypes.to_torch(result.dtype), device_index)
+
+    run.__name__ = f"tpu_{op.__name__}"
+    return run
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        return 0
+    index = torch.device(device).index
+    return 0 if index is None else index
+
+
+class Table:
+    """Installs the op table as PrivateUse1 kernels, once, on first use of the device."""
+
+    def __init__(self) -> None:
+        self.library: torch.library.Library | None = None
+        self.installed: set[str] = set()
+
+    def install(self) -> None:
+        if self.library is not None:
+            return
+        from . import ops  # noqa: F401  (importing the op modules fills LOWERINGS and CUSTOM_KERNELS)
+
+        self.library = torch.library.Library("aten", "IMPL")
+        libraries: dict[str, torch.library.Library] = {"aten": self.library}
+        for name, fn in list(CUSTOM_KERNELS.items()) + [
+            (name, build_kernel(resolve(name), entry)) for name, entry in LOWERINGS.items()
+        ]:
+            op = resolve(name)
+            namespace = op.namespace
+            if namespace not in libraries:
+                libraries[namespace] = torch.library.Library(namespace, "IMPL")
+            libraries[namespace].impl(op, fn, "PrivateUse1")
+            self.installed.add(op.name())
+        self._extra_libraries = libraries
+
+
+TABLE = Table()
+
+
+@functools.cache
+def _fallback_library() -> torch.library.Library:
+    return torch.library.Library("_", "IMPL")
+
+
+def install_fallback() -> None:
+    """Registers the PrivateUse1 fallback: the first op installs the table; unknown ops raise clearly."""
+
+    def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
+        if TABLE.library is None:
+            TABLE.install()
+            if op.name() in TABLE.installed:
+                return op(*args, **kwargs)
+        raise NotImplementedError(
+            f"The operator '{op.name()}' ({op._schema.overload_name or 'default'} overload) has no lowering "
+            "for the tpu device (hf_tpu). Please open an issue naming this operator."
+        )
+
+    _fallback_library().fallback(fallback, "PrivateUse1")

@@ -1,0 +1,119 @@
+"""torch <-> JAX dtype mapping and PyTorch's type-promotion rules.
+
+float64 policy: float64 (and complex128) tensors keep their dtype everywhere torch can see it.
+On JAX's CPU and GPU platforms they are computed in 64 bits; TPUs have no 64-bit float units,
+so on real chips the data is held and computed in float32 (complex64) and a one-time warning says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import runtime
+
+_TORCH_TO_NUMPY_NAME = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.uint16: "uint16",
+    torch.uint32: "uint32",
+    torch.uint64: "uint64",
+    torch.bool: "bool",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+_NARROWED_ON_TPU = {torch.float64: "float32", torch.complex128: "complex64"}
+
+
+@functools.cache
+def to_jax(dtype: torch.dtype) -> Any:
+    """The JAX dtype that holds a torch dtype on the current platform."""
+    name = _TORCH_TO_NUMPY_NAME.get(dtype)
+    if name is None:
+        raise TypeError(f"dtype {dtype} is not supported on the tpu device")
+    if dtype in _NARROWED_ON_TPU and runtime.backing_platform() == "tpu":
+        warnings.warn(f"TPUs have no 64-bit floating point: {dtype} tensors are computed in {_NARROWED_ON_TPU[dtype]}.")
+        name = _NARROWED_ON_TPU[dtype]
+    import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy)
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
+
+
+@functools.cache
+def to_torch(jax_dtype: Any) -> torch.dtype:
+    name = np.dtype(jax_dtype).name
+    for torch_dtype, numpy_name in _TORCH_TO_NUMPY_NAME.items():
+        if numpy_name == name:
+            return torch_dtype
+    raise TypeError(f"JAX dtype {name} has no torch equivalent")
+
+
+def host_numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype with the same bytes as a torch dtype (for host transfers)."""
+    import ml_dtypes  # noqa: F401
+
+    return np.dtype(_TORCH_TO_NUMPY_NAME[dtype])
+
+
+def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dtype | None:
+    """c10's combine_categories: a lower-priority group only wins by being of a higher category."""
+    if higher is None:
+        return lower
+    if lower is None or higher.is_complex:
+        return higher
+    if lower.is_complex:
+        return torch.complex128 if higher == torch.float64 else (torch.complex64 if higher.is_floating_point else lower)
+    if higher.is_floating_point:
+        return higher
+    if higher == torch.bool or lower.is_floating_point:
+        return torch.promote_types(higher, lower)
+    return higher
+
+
+def _python_scalar_dtype(value: Any) -> torch.dtype:
+    if isinstance(value, bool):
+        return torch.bool
+    if isinstance(value, int):
+        return torch.int64
+    if isinstance(value, complex):
+        return torch.complex64 if torch.get_default_dtype() != torch.float64 else torch.complex128
+    return torch.get_default_dtype()
+
+
+def result_type(*operands: Any) -> Any:
+    """torch.result_type over JAX arrays/tracers and Python scalars, as a JAX dtype.
+
+    Weakly-typed JAX values (Python scalars passed through jit) count as Python scalars,
+    0-d arrays as zero-dim tensors, everything else as dimensioned tensors.
+    """
+    groups: list[torch.dtype | None] = [None, None, None]  # dimensioned, zero-dim, wrapped scalars
+    for operand in operands:
+        if operand is None:
+            continue
+        aval = getattr(operand, "aval", None)
+        if aval is None and not hasattr(operand, "dtype"):
+            group, dtype = 2, _python_scalar_dtype(operand)
+        elif getattr(aval, "weak_type", False):
+            kind = np.dtype(operand.dtype).kind
+            group = 2
+            dtype = {"b": torch.bool, "i": torch.int64, "u": torch.int64, "c": torch.complex64}.get(
+                kind, torch.get_default_dtype()
+            )
+        else:
+            group, dtype = (0 if operand.ndim else 1), to_torch(operand.dtype)
+        groups[group] = dtype if groups[group] is None else torch.promote_types(groups[group], dtype)
+    return to_jax(_combine(groups[0], _combine(groups[1], groups[2])))

@@ -1,0 +1,179 @@
+"""Allocation and data movement: empty, copies between host and device and between chips, scalars."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .. import device_module, dtypes, runtime, storage
+from ..dispatch import device_mismatch, kernel, lowering
+
+
+def _index(device: Any) -> int:
+    if device is None:
+        return device_module.current_device()
+    index = torch.device(device).index
+    return device_module.current_device() if index is None else device_module._index(index)
+
+
+@kernel("empty.memory_format")
+def empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return storage.empty(size, dtype or torch.get_default_dtype(), _index(device))
+
+
+@kernel("empty_strided")
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return storage.empty(size, dtype or torch.get_default_dtype(), _index(device), stride)
+
+
+def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
+    """Copies a host tensor to a device, converting dtype on the host first (fewer bytes to move)."""
+    host = host.detach().resolve_conj().resolve_neg()
+    if host.dtype != dtype:
+        host = host.to(dtype)
+    host = host.contiguous()
+    if host.dtype == torch.bfloat16:
+        array = host.view(torch.int16).numpy().view(dtypes.host_numpy_dtype(torch.bfloat16))
+    elif host.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        array = host.view(torch.uint8).numpy().view(dtypes.host_numpy_dtype(host.dtype))
+    else:
+        array = host.numpy()
+    target = dtypes.to_jax(dtype)
+    if array.dtype != target:
+        array = array.astype(target)
+    # may_alias=False: JAX's CPU platform would otherwise share the host tensor's memory.
+    return jax.device_put(array, runtime.device(device_index), may_alias=False)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A new CPU tensor with a tpu tensor's values."""
+    array = np.asarray(storage.read(tensor))
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array, order="C")
+    if tensor.dtype in (torch.float64, torch.complex128) and array.dtype != dtypes.host_numpy_dtype(tensor.dtype):
+        array = array.astype(dtypes.host_numpy_dtype(tensor.dtype))
+    if tensor.dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.from_numpy(array.view(np.uint8)).view(tensor.dtype)
+    return torch.from_numpy(array)
+
+
+def _device_index_of(tensor: torch.Tensor) -> int:
+    return storage.buffer_of(tensor).device_index
+
+
+@kernel("copy_")
+def copy_(self, src, non_blocking=False):
+    if self.device.type != "tpu":
+        if self.device.type != "cpu":
+            raise device_mismatch(src.device, self.device)
+        return self.copy_(to_host(src), non_blocking)
+    index = _device_index_of(self)
+    if src.device.type == "tpu":
+        value = storage.read(src)
+        if _device_index_of(src) != index:
+            value = jax.device_put(value, runtime.device(index))
+    elif src.device.type in ("cpu", "meta"):
+        if src.device.type == "meta":
+            raise NotImplementedError(
+                "Cannot copy out of meta tensor; no data! Use 'to_empty()' to move a module off meta."
+            )
+        value = to_device(src, self.dtype, index)
+    else:
+        raise device_mismatch(self.device, src.device)
+    if self.is_complex() is False and jnp.iscomplexobj(value):
+        value = value.real
+    storage.write(self, value)
+    return self
+
+
+@kernel("_copy_from")
+def _copy_from(self, dst, non_blocking=False):
+    return copy_(dst, self, non_blocking)
+
+
+@kernel("_copy_from_and_resize")
+def _copy_from_and_resize(self, dst):
+    if tuple(dst.shape) != tuple(self.shape):
+        dst.resize_(self.shape)
+    return copy_(dst, self)
+
+
+@kernel("_to_copy")
+def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    dtype = dtype or self.dtype
+    target = torch.device(device) if device is not None else self.device
+    if self.device.type != "tpu":  # host -> device, converting on the host
+        return storage.wrap(to_device(self, dtype, _index(target)), dtype, _index(target))
+    if target.type == "tpu":
+        index = _index(target)
+        value = storage.read(self)
+        if _device_index_of(self) != index:
+            value = jax.device_put(value, runtime.device(index))
+        if value.dtype != dtypes.to_jax(dtype):
+            value = _astype(dtypes.to_jax(dtype))(value)
+        return storage.wrap(value, dtype, index)
+    host = to_host(self)
+    if host.dtype != dtype:
+        host = host.to(dtype)
+    if target.type != "cpu":
+        return host.to(target)
+    return host.pin_memory() if pin_memory else host
+
+
+_astype_cache: dict[Any, Any] = {}
+
+
+def _astype(dtype: Any):
+    fn = _astype_cache.get(dtype)
+    if fn is None:
+        fn = _astype_cache[dtype] = jax.jit(lambda x: x.real.astype(dtype) if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating) else x.astype(dtype))
+    return fn
+
+
+@kernel("_local_scalar_dense")
+def _local_scalar_dense(self):
+    return np.asarray(storage.read(self)).item()
+
+
+@kernel("resize_")
+def resize_(self, size, memory_format=None):
+    size = tuple(size)
+    buffer = storage.buffer_of(self)
+    needed = self.storage_offset() + math.prod(size)
+    if needed > buffer.numel:
+        grown = storage.empty((needed,), buffer.dtype, buffer.device_index)
+        if buffer.array is not None:
+            old = buffer.array.reshape(-1)
+            storage.buffer_of(grown).set(jnp.concatenate([old, jnp.zeros(needed - buffer.numel, old.dtype)]))
+        new_storage = grown.untyped_storage()
+    else:
+        new_storage = self.untyped_storage()
+    stride = torch._prims_common.make_contiguous_strides_for(size)
+    torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
+        torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), self, new_storage, self.storage_offset(), size, stride
+    )
+    return self
+
+
+@lowering("fill_.Scalar", "fill.Scalar")
+def fill(self, value):
+    return jnp.full(self.shape, value, self.dtype)
+
+
+@lowering("fill_.Tensor", "fill.Tensor")
+def fill_tensor(self, value):
+    if value.ndim:
+        raise RuntimeError(f"fill_ only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
+    return jnp.broadcast_to(value.astype(self.dtype), self.shape)
+
+
+@lowering("zero_", "zero")
+def zero(self):
+    return jnp.zeros(self.shape, self.dtype)

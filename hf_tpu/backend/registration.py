@@ -1,0 +1,160 @@
+"""Makes ``tpu`` a PyTorch device: PrivateUse1 renamed, hooks, guard, ``torch.tpu``, patches.
+
+Everything here is cheap and JAX-free, so it can run during ``import torch`` (autoload). The op
+table and JAX are loaded by the PrivateUse1 fallback on the first tpu op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from typing import Any
+
+import torch
+
+_lock = threading.Lock()
+_registered = False
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def register() -> None:
+    """Registers the ``tpu`` device (idempotent, thread-safe)."""
+    global _registered
+    with _lock:
+        if _registered:
+            return
+        name = torch._C._get_privateuse1_backend_name()
+        if name not in ("privateuseone", "tpu"):
+            raise RuntimeError(
+                f"PrivateUse1 is already renamed to {name!r} (another backend such as torchax is loaded); "
+                "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
+            )
+        from . import device_module, dispatch
+
+        if name != "tpu":
+            torch.utils.rename_privateuse1_backend("tpu")
+        torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
+        torch._register_device_module("tpu", device_module)
+        torch._C._acc.register_python_privateuseone_hook(_Hooks())
+        torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+        dispatch.install_fallback()
+        _install_backends_flag()
+        _patch_accelerator(device_module)
+        _patch_module_conversion()
+        _registered = True
+
+
+def _install_backends_flag() -> None:
+    # HF `kernels` picks TPU builds when `torch.backends.tpu` exists.
+    module = types.ModuleType("torch.backends.tpu", "The hf_tpu backend (JAX/XLA).")
+    module.is_built = lambda: True
+    module.is_available = lambda: True
+    torch.backends.tpu = module
+
+
+def _is_tpu_current() -> bool:
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == "tpu"
+
+
+def _delegating(original: Any, replacement: Any) -> Any:
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        if _is_tpu_current():
+            return replacement(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    patched.__name__ = getattr(original, "__name__", "patched")
+    patched.__doc__ = getattr(original, "__doc__", None)
+    patched.__wrapped__ = original
+    return patched
+
+
+def _device_arg(device: Any = None, /) -> Any:
+    return device
+
+
+def _patch_accelerator(tpu: Any) -> None:
+    """torch's pure-Python PrivateUse1 path leaves these raising; route them to ``torch.tpu``."""
+    replacements = {
+        "synchronize": tpu.synchronize,
+        "current_device_index": tpu.current_device,
+        "current_device_idx": tpu.current_device,
+        "set_device_index": tpu.set_device,
+        "set_device_idx": tpu.set_device,
+        "empty_cache": tpu.empty_cache,
+        "memory_allocated": tpu.memory_allocated,
+        "max_memory_allocated": tpu.max_memory_allocated,
+        "memory_reserved": tpu.memory_reserved,
+        "max_memory_reserved": tpu.max_memory_reserved,
+        "reset_peak_memory_stats": tpu.reset_peak_memory_stats,
+        "reset_accumulated_memory_stats": lambda device=None, /: None,
+        "memory_stats": tpu.memory_stats,
+        "get_memory_info": tpu.mem_get_info,
+    }
+    for namespace in (torch.accelerator, torch.accelerator.memory):
+        for name, replacement in replacements.items():
+            original = getattr(namespace, name, None)
+            if original is not None and not hasattr(original, "__wrapped__"):
+                setattr(namespace, name, _delegating(original, replacement))
+
+
+_module_to = torch.nn.Module.to
+_module_cpu = torch.nn.Module.cpu
+
+
+def _holds_tpu_tensors(module: torch.nn.Module) -> bool:
+    return any(t.device.type == "tpu" for t in module.parameters()) or any(
+        t.device.type == "tpu" for t in module.buffers()
+    )
+
+
+@contextlib.contextmanager
+def _swap_params_on_conversion():
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def _patch_module_conversion() -> None:
+    """Moving a module to or from tpu swaps parameter contents in place, so they stay
+    ``nn.Parameter`` objects and tied weights (``lm_head``/``embed_tokens``) stay tied."""
+
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if (device is not None and device.type == "tpu") or _holds_tpu_tensors(self):
+            with _swap_params_on_conversion():
+                return _module_to(self, *args, **kwargs)
+        return _module_to(self, *args, **kwargs)
+
+    def cpu(self: torch.nn.Module) -> torch.nn.Module:
+        if _holds_tpu_tensors(self):
+            with _swap_params_on_conversion():
+                return _module_cpu(self)
+        return _module_cpu(self)
+
+    def tpu(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
+        return to(self, torch.device("tpu", device) if isinstance(device, int) else device or "tpu")
+
+    to.__doc__ = _module_to.__doc__
+    torch.nn.Module.to = to
+    torch.nn.Module.cpu = cpu
+    torch.nn.Module.tpu = tpu

@@ -1,0 +1,102 @@
+"""Which JAX devices back the ``tpu`` device, chosen once and lazily.
+
+``HF_TPU_PLATFORM`` picks the JAX platform: ``auto`` (default: TPU chips when libtpu finds
+them, otherwise JAX's default platform, GPU or CPU, as a stand-in), ``tpu``, ``gpu`` or ``cpu``.
+``HF_TPU_NUM_DEVICES=N`` gives N virtual chips on a CPU host (``tpu:0`` .. ``tpu:N-1``).
+
+Nothing here imports JAX until a device is first needed, so ``import torch`` stays fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("hf_tpu")
+
+_PLATFORMS = ("auto", "tpu", "gpu", "cpu")
+
+
+def requested_platform() -> str:
+    value = os.environ.get("HF_TPU_PLATFORM", "auto").strip().lower() or "auto"
+    if value == "cuda":
+        value = "gpu"
+    if value not in _PLATFORMS:
+        raise ValueError(f"HF_TPU_PLATFORM={value!r} is not one of {', '.join(_PLATFORMS)}; set it to one of those.")
+    return value
+
+
+def requested_device_count() -> int | None:
+    value = os.environ.get("HF_TPU_NUM_DEVICES")
+    if not value:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"HF_TPU_NUM_DEVICES={value!r} must be a positive integer number of devices.")
+    return count
+
+
+@functools.cache
+def jax_module() -> Any:
+    """Imports and configures JAX for hf_tpu (64-bit types on, virtual CPU devices if asked)."""
+    count = requested_device_count()
+    if count is not None and requested_platform() in ("auto", "cpu"):
+        os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(count))
+    import jax
+
+    # int64 and float64 tensors must keep their width; every lowering passes dtypes explicitly.
+    jax.config.update("jax_enable_x64", True)
+    if count is not None:
+        try:
+            jax.config.update("jax_num_cpu_devices", count)
+        except Exception:  # backends already initialised by the user's own JAX code
+            pass
+    return jax
+
+
+@functools.cache
+def devices() -> tuple[Any, ...]:
+    """The JAX devices that are ``tpu:0`` .. ``tpu:N-1``, in index order."""
+    jax = jax_module()
+    platform = requested_platform()
+    if platform == "auto":
+        try:
+            found = jax.devices("tpu")
+        except RuntimeError:
+            found = jax.devices()
+            logger.warning(
+                "hf_tpu: no TPU found; the 'tpu' device runs on JAX's %s platform (%d device%s).",
+                found[0].platform, len(found), "" if len(found) == 1 else "s",
+            )
+    else:
+        found = jax.devices(platform)
+    count = requested_device_count()
+    if count is not None:
+        if count > len(found):
+            raise RuntimeError(
+                f"HF_TPU_NUM_DEVICES={count} but the {found[0].platform} platform has only {len(found)} devices."
+            )
+        found = found[:count]
+    return tuple(found)
+
+
+def device(index: int) -> Any:
+    return devices()[index]
+
+
+def backing_platform() -> str:
+    """``tpu``, ``gpu`` or ``cpu``: what really runs the ``tpu`` device."""
+    return devices()[0].platform
+
+
+def device_name(index: int = 0) -> str:
+    jax_device = device(index)
+    if jax_device.platform == "tpu":
+        return str(getattr(jax_device, "device_kind", "TPU"))
+    kind = getattr(jax_device, "device_kind", jax_device.platform)
+    return f"JAX {jax_device.platform} stand-in ({kind})"

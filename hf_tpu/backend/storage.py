@@ -1,0 +1,209 @@
+"""The storage model: each tpu ``UntypedStorage`` owns one JAX array.
+
+A tpu tensor is an ordinary ``torch.Tensor`` with a PrivateUse1 TensorImpl. Its storage is a real
+torch storage with a unique fake address and the right ``nbytes``, so views, ``_base``, version
+counters, ``data_ptr()`` and shared-storage detection behave exactly as on CPU. The storage's Python
+object (which torch keeps alive as long as the C++ storage lives) carries a :class:`Buffer` holding the
+elements as a JAX array. Views read and write that array through :mod:`strided`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from . import dtypes, memory_stats, runtime, strided
+
+_ALIGNMENT = 256
+_address_lock = threading.Lock()
+_next_address = 1 << 44
+_create_empty = torch._C._acc.create_empty_tensor
+_storage_at = torch._C._construct_storage_from_data_pointer
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+_latest: dict[int, Any] = {}  # the newest array per device: waiting on it waits on all queued work
+
+
+def wait_for_pending(device_index: int) -> None:
+    array = _latest.get(device_index)
+    if array is not None:
+        array.block_until_ready()
+
+
+class Buffer:
+    """The device memory behind one tpu storage.
+
+    ``array`` holds the storage's elements in the dtype the storage was created with (``dtype``),
+    in any shape whose size is ``numel``; it is ``None`` until first written (lazy ``empty``).
+    """
+
+    __slots__ = ("array", "dtype", "numel", "device_index", "nbytes", "__weakref__")
+
+    def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int) -> None:
+        self.array = array
+        self.dtype = dtype
+        self.numel = numel
+        self.device_index = device_index
+        self.nbytes = numel * dtype.itemsize
+        if array is not None:
+            memory_stats.allocated(device_index, self.nbytes)
+            _latest[device_index] = array
+
+    def materialize(self) -> Any:
+        """The array, allocating zeros for a storage that was never written."""
+        if self.array is None:
+            self.set(_zeros(self.numel, dtypes.to_jax(self.dtype), self.device_index))
+        return self.array
+
+    def set(self, array: Any) -> None:
+        if self.array is None:
+            memory_stats.allocated(self.device_index, self.nbytes)
+        self.array = array
+        _latest[self.device_index] = array
+
+    def __del__(self) -> None:
+        if self.array is not None:
+            memory_stats.freed(self.device_index, self.nbytes)
+
+
+@functools.cache
+def _zeros_fn(numel: int, dtype: Any, device_index: int):
+    return jax.jit(lambda: jnp.zeros((numel,), dtype), device=runtime.device(device_index))
+
+
+def _zeros(numel: int, dtype: Any, device_index: int) -> Any:
+    return _zeros_fn(numel, dtype, device_index)()
+
+
+def _new_address(nbytes: int) -> int:
+    """A fresh, never reused fake address range of ``nbytes`` (data_ptr identity, as on CUDA)."""
+    global _next_address
+    with _address_lock:
+        address = _next_address
+        _next_address += -(-max(nbytes, 1) // _ALIGNMENT) * _ALIGNMENT
+    return address
+
+
+def _tensor_on_new_storage(shape, dtype, device_index, nbytes, stride=None) -> torch.Tensor:
+    tensor = _create_empty(shape, dtype)
+    storage = _storage_at(_new_address(max(nbytes, 1)), torch.device("tpu", device_index), nbytes)
+    if device_index == 0 and stride is None:
+        tensor.untyped_storage()._swap_data_ptr_(storage)
+    else:
+        if device_index != 0:
+            raise NotImplementedError(
+                f"tensors on tpu:{device_index}: this build keeps tensors on tpu:0; "
+                "other chips are reached through sharded arrays (tp_plans)"
+            )
+        _set_storage.redispatch(_CPU_KEYS, tensor, storage, 0, shape, stride)
+    return tensor
+
+
+def wrap(array: Any, dtype: torch.dtype, device_index: int = 0) -> torch.Tensor:
+    """A new tpu tensor that owns ``array`` (whose dtype must be ``dtypes.to_jax(dtype)``)."""
+    shape = array.shape
+    numel = array.size
+    tensor = _tensor_on_new_storage(shape, dtype, device_index, numel * dtype.itemsize)
+    tensor.untyped_storage()._hf_buffer = Buffer(array, dtype, numel, device_index)
+    return tensor
+
+
+def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torch.Tensor:
+    """A tpu tensor whose memory is not allocated until it is first written or read."""
+    shape = tuple(shape)
+    if stride is None or tuple(stride) == torch._prims_common.make_contiguous_strides_for(shape):
+        stride, numel = None, math.prod(shape)
+    else:
+        numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    tensor = _tensor_on_new_storage(shape, dtype, device_index, numel * dtype.itemsize, stride)
+    tensor.untyped_storage()._hf_buffer = Buffer(None, dtype, numel, device_index)
+    return tensor
+
+
+def buffer_of(tensor: torch.Tensor) -> Buffer:
+    return tensor.untyped_storage()._hf_buffer
+
+
+def is_whole(tensor: torch.Tensor, buffer: Buffer) -> bool:
+    return (
+        tensor.dtype == buffer.dtype
+        and tensor.storage_offset() == 0
+        and tensor.numel() == buffer.numel
+        and tensor.is_contiguous()
+    )
+
+
+def read(tensor: torch.Tensor) -> Any:
+    """The tensor's values as a JAX array of its shape and dtype."""
+    buffer = tensor.untyped_storage()._hf_buffer
+    array = buffer.array
+    if array is None:
+        array = buffer.materialize()
+    if array.shape == tensor.shape and is_whole(tensor, buffer):
+        return array
+    return _view_reader(array.shape, buffer.dtype, *_geometry(tensor))(array)
+
+
+def write(tensor: torch.Tensor, value: Any) -> None:
+    """Sets the tensor's elements (through its view onto the storage) to ``value``, cast to its dtype."""
+    buffer = tensor.untyped_storage()._hf_buffer
+    if is_whole(tensor, buffer):
+        target = dtypes.to_jax(tensor.dtype)
+        if value.dtype != target or value.shape != tensor.shape:
+            value = _cast_to(tuple(tensor.shape), target)(value)
+        buffer.set(value)
+        return
+    buffer.set(_view_writer(buffer.materialize().shape, buffer.dtype, *_geometry(tensor))(buffer.array, value))
+
+
+def _geometry(tensor: torch.Tensor) -> tuple:
+    return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+
+
+@functools.cache
+def _cast_to(shape: tuple, dtype: Any):
+    return jax.jit(lambda value: jnp.broadcast_to(value.astype(dtype), shape))
+
+
+def _reinterpret(flat: Any, dtype: Any) -> Any:
+    """The bytes of ``flat`` seen as ``dtype`` (``Tensor.view(dtype)`` of a storage)."""
+    if flat.dtype == dtype:
+        return flat
+    if flat.dtype.itemsize != dtype.itemsize:
+        raise NotImplementedError(
+            f"reading a {flat.dtype} tpu storage as {dtype} (different element sizes) is not supported"
+        )
+    if flat.dtype == jnp.bool_ or dtype == jnp.bool_:
+        return flat.astype(dtype) if dtype == jnp.bool_ else flat.view(dtype)
+    return jax.lax.bitcast_convert_type(flat, dtype)
+
+
+@functools.cache
+def _view_reader(array_shape, storage_dtype, dtype, size, stride, offset):
+    target = dtypes.to_jax(dtype)
+
+    def read_view(array):
+        return strided.read(_reinterpret(array.reshape(-1), target), size, stride, offset)
+
+    return jax.jit(read_view)
+
+
+@functools.cache
+def _view_writer(array_shape, storage_dtype, dtype, size, stride, offset):
+    target = dtypes.to_jax(dtype)
+    storage_target = dtypes.to_jax(storage_dtype)
+
+    def write_view(array, value):
+        flat = _reinterpret(array.reshape(-1), target)
+        flat = strided.write(flat, value.astype(target), size, stride, offset)
+        return _reinterpret(flat, storage_target)
+
+    return jax.jit(write_view)
