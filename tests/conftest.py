@@ -1,0 +1,50 @@
+"""Shared test helpers: run the same thing on "cpu" and "tpu" and compare."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
+
+
+def to_tpu(value: Any) -> Any:
+    """Moves tensors (in nested lists/tuples/dicts) to tpu, keeping requires_grad leaves as leaves."""
+    if isinstance(value, torch.Tensor):
+        moved = value.detach().to("tpu")
+        return moved.requires_grad_(value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_tpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_tpu(v) for k, v in value.items()}
+    return value
+
+
+def assert_same(actual: Any, expected: Any, **tolerances: Any) -> None:
+    """Compares a tpu result with the CPU result: same dtype and shape, values close."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"expected a tensor, got {type(actual)}"
+        assert actual.device.type == "tpu", f"result is on {actual.device}, expected tpu"
+        assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+        torch.testing.assert_close(actual.cpu(), expected, **tolerances)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_same(a, e, **tolerances)
+    else:
+        assert actual == expected
+
+
+def check_against_cpu(fn: Callable[..., Any], *args: Any, **tolerances: Any) -> Any:
+    """Runs ``fn(*args)`` on CPU tensors and on tpu copies of them and compares the results."""
+    expected = fn(*args)
+    actual = fn(*to_tpu(args))
+    assert_same(actual, expected, **tolerances)
+    return actual
+
+
+@pytest.fixture
+def cpu_and_tpu():
+    return check_against_cpu
