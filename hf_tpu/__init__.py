@@ -7,6 +7,8 @@ autoload) registers the device::
     x = torch.ones(2, device="tpu")
 """
 
+import torch  # noqa: F401  (first: if torch autoloads hf_tpu, it does so before .backend is half-imported)
+
 from .backend import register
 
 register()
