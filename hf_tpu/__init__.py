@@ -9,9 +9,10 @@ autoload) registers the device::
 
 import torch  # noqa: F401  (first: if torch autoloads hf_tpu, it does so before .backend is half-imported)
 
+from ._autoload import load as _load
 from .backend import register
 
-register()
+_load()
 
 __all__ = ["register"]
 __version__ = "0.1.0"

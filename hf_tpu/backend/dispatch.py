@@ -17,7 +17,6 @@ The same table is what graph mode lowers FX graphs with.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -172,6 +171,20 @@ def _store(destination: torch.Tensor, value: Any, is_out: bool) -> None:
     storage.write(destination, value)
 
 
+_scalar_arrays: dict[tuple, Any] = {}
+
+
+def _scalar_array(value: Any) -> Any:
+    """A cached, weakly-typed device scalar: jit calls with arrays skip a host transfer per call."""
+    key = (type(value), value)
+    array = _scalar_arrays.get(key)
+    if array is None:
+        if len(_scalar_arrays) > 4096:
+            _scalar_arrays.clear()
+        array = _scalar_arrays[key] = jax.numpy.asarray(value)
+    return array
+
+
 def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., Any]:
     schema = op._schema
     arguments = list(schema.arguments)
@@ -181,53 +194,70 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     is_out = [w and a.kwarg_only for w, a in zip(written, arguments)]
     inputs = [i for i in range(len(arguments)) if not is_out[i]]
     kinds = [_kind(arguments[i], entry.static) for i in inputs]
-    dynamic_slots = [slot for slot, kind in enumerate(kinds) if kind != _STATIC]
-    static_slots = [slot for slot, kind in enumerate(kinds) if kind == _STATIC]
+    tensor_slots = [(slot, inputs[slot], kind) for slot, kind in enumerate(kinds) if kind in (_TENSOR, _OPT_TENSOR, _TENSOR_LIST)]
+    scalar_slots = [(slot, inputs[slot], defaults[inputs[slot]]) for slot, kind in enumerate(kinds) if kind == _SCALAR]
+    static_slots = [(slot, inputs[slot]) for slot, kind in enumerate(kinds) if kind == _STATIC]
     destinations = [i for i in range(len(arguments)) if written[i]]
     device_arg = names.index("device") if "device" in names else None
     returns = list(schema.returns)
     returns_written = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
+    returns_list = bool(returns) and str(returns[0].type).startswith("List")
     position = {name: i for i, name in enumerate(names)}
     lowering_fn = entry.fn
     jitted: dict[tuple, Callable] = {}
+    n_inputs = len(inputs)
 
-    def compile_for(static_values: tuple) -> Callable:
+    def compile_for(key: tuple) -> Callable:
+        """One jitted function per combination of static values; Scalars left at their schema
+        default are static too (no per-call transfer), other Scalars are traced."""
+        static_values, defaulted = key
+        dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
+            slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
+        ]
+        fixed = [(slot, value) for (slot, _), value in zip(static_slots, static_values)] + [
+            (slot, default) for (slot, _, default), is_default in zip(scalar_slots, defaulted) if is_default
+        ]
+
         def traced(*dynamic_values):
-            call = [None] * len(inputs)
+            call = [None] * n_inputs
             for slot, value in zip(dynamic_slots, dynamic_values):
                 call[slot] = value
-            for slot, value in zip(static_slots, static_values):
+            for slot, value in fixed:
                 call[slot] = value
             return lowering_fn(*call)
 
-        fn = jax.jit(traced)
-        jitted[static_values] = fn
+        fn = jitted[key] = jax.jit(traced)
         return fn
 
-    def bind(args: tuple, kwargs: dict) -> list:
-        bound = list(args) + defaults[len(args):]
+    def run(*args, **kwargs):
+        bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
         for name, value in kwargs.items():
             bound[position[name]] = value
-        return bound
-
-    def run(*args, **kwargs):
-        bound = bind(args, kwargs)
         reader = _Inputs()
         dynamic = []
-        for slot in dynamic_slots:
-            value = bound[inputs[slot]]
-            kind = kinds[slot]
+        for _, index, kind in tensor_slots:
+            value = bound[index]
             if kind == _TENSOR:
-                value = reader.read(value)
+                dynamic.append(reader.read(value))
             elif kind == _OPT_TENSOR:
-                value = reader.read_optional(value)
-            elif kind == _TENSOR_LIST:
-                value = reader.read_list(value)
-            elif isinstance(value, list):
-                value = tuple(value)
-            dynamic.append(value)
-        static_values = tuple(_frozen(bound[inputs[slot]]) for slot in static_slots)
-        fn = jitted.get(static_values) or compile_for(static_values)
+                dynamic.append(reader.read_optional(value))
+            else:
+                dynamic.append(reader.read_list(value))
+        defaulted = []
+        for _, index, default in scalar_slots:
+            value = bound[index]
+            is_default = value is default or (type(value) is type(default) and value == default)
+            defaulted.append(is_default)
+            if not is_default:
+                if isinstance(value, torch.Tensor):
+                    value = reader.read(value)
+                elif isinstance(value, (list, tuple)):
+                    value = tuple(_scalar_array(v) for v in value)
+                elif value is not None:
+                    value = _scalar_array(value)
+                dynamic.append(value)
+        key = (tuple([_frozen(bound[index]) for _, index in static_slots]), tuple(defaulted))
+        fn = jitted.get(key) or compile_for(key)
         result = fn(*dynamic)
 
         if destinations:
@@ -249,7 +279,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             device_index = _device_index(bound[device_arg] if device_arg is not None else None)
         if isinstance(result, (tuple, list)):
             wrapped = [storage.wrap(r, dtypes.to_torch(r.dtype), device_index) for r in result]
-            return wrapped if str(returns[0].type).startswith("List") else tuple(wrapped)
+            return wrapped if returns_list else tuple(wrapped)
         return storage.wrap(result, dtypes.to_torch(result.dtype), device_index)
 
     run.__name__ = f"tpu_{op.__name__}"
@@ -290,24 +320,3 @@ class Table:
 
 
 TABLE = Table()
-
-
-@functools.cache
-def _fallback_library() -> torch.library.Library:
-    return torch.library.Library("_", "IMPL")
-
-
-def install_fallback() -> None:
-    """Registers the PrivateUse1 fallback: the first op installs the table; unknown ops raise clearly."""
-
-    def fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
-        if TABLE.library is None:
-            TABLE.install()
-            if op.name() in TABLE.installed:
-                return op(*args, **kwargs)
-        raise NotImplementedError(
-            f"The operator '{op.name()}' ({op._schema.overload_name or 'default'} overload) has no lowering "
-            "for the tpu device (hf_tpu). Please open an issue naming this operator."
-        )
-
-    _fallback_library().fallback(fallback, "PrivateUse1")

@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import dtypes, memory_stats, runtime, strided
+from . import dlpack_alloc, dtypes, memory_stats, runtime, strided
 
 _ALIGNMENT = 256
 _address_lock = threading.Lock()
 _next_address = 1 << 44
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
-_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
-_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_CHIP_0 = torch.device("tpu", 0)
 
 
 _latest: dict[int, Any] = {}  # the newest array per device: waiting on it waits on all queued work
@@ -93,18 +92,14 @@ def _new_address(nbytes: int) -> int:
 
 
 def _tensor_on_new_storage(shape, dtype, device_index, nbytes, stride=None) -> torch.Tensor:
-    tensor = _create_empty(shape, dtype)
-    storage = _storage_at(_new_address(max(nbytes, 1)), torch.device("tpu", device_index), nbytes)
-    if device_index == 0 and stride is None:
-        tensor.untyped_storage()._swap_data_ptr_(storage)
-    else:
-        if device_index != 0:
-            raise NotImplementedError(
-                f"tensors on tpu:{device_index}: this build keeps tensors on tpu:0; "
-                "other chips are reached through sharded arrays (tp_plans)"
-            )
-        _set_storage.redispatch(_CPU_KEYS, tensor, storage, 0, shape, stride)
-    return tensor
+    address = _new_address(nbytes)
+    if device_index == 0 and stride is None:  # the fast path: contiguous on chip 0
+        tensor = _create_empty(shape, dtype)
+        tensor.untyped_storage()._swap_data_ptr_(_storage_at(address, _CHIP_0, nbytes))
+        return tensor
+    if stride is None:
+        stride = torch._prims_common.make_contiguous_strides_for(shape)
+    return dlpack_alloc.tensor_at(address, tuple(shape), tuple(stride), dtype, device_index)
 
 
 def wrap(array: Any, dtype: torch.dtype, device_index: int = 0) -> torch.Tensor:
