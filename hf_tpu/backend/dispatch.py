@@ -101,14 +101,20 @@ def device_mismatch(first: Any, second: Any) -> RuntimeError:
 
 
 class _Inputs:
-    """Reads tensor arguments into JAX arrays, checking that they share one tpu device."""
+    """Reads tensor arguments for one op call, checking that they share one tpu device.
 
-    __slots__ = ("device_index",)
+    A tensor that is a view (not its whole storage, contiguous) contributes its storage's array,
+    and its geometry is recorded in ``views`` under its position: the view is then taken inside the
+    op's own jitted program, so a transposed weight costs no extra dispatch.
+    """
+
+    __slots__ = ("device_index", "views")
 
     def __init__(self) -> None:
         self.device_index = None
+        self.views: list[tuple[tuple[int, int], tuple]] = []
 
-    def read(self, tensor: torch.Tensor) -> Any:
+    def read(self, tensor: torch.Tensor, position: tuple[int, int]) -> Any:
         try:
             buffer = tensor.untyped_storage()._hf_buffer
         except AttributeError:
@@ -117,7 +123,12 @@ class _Inputs:
             self.device_index = buffer.device_index
         elif buffer.device_index != self.device_index:
             raise device_mismatch(f"tpu:{self.device_index}", f"tpu:{buffer.device_index}")
-        return storage.read(tensor)
+        array = buffer.array
+        if array is None:
+            array = buffer.materialize()
+        if array.shape != tensor.shape or not storage.is_whole(tensor, buffer):
+            self.views.append((position, storage.view_geometry(tensor, buffer)))
+        return array
 
     def _foreign(self, tensor: torch.Tensor) -> Any:
         if not isinstance(tensor, torch.Tensor):  # a wrapped Python number, e.g. the 2 in `x + 2`
@@ -130,11 +141,21 @@ class _Inputs:
             )
         raise device_mismatch(f"tpu:{self.device_index or 0}", tensor.device)
 
-    def read_optional(self, tensor: torch.Tensor | None) -> Any:
-        return None if tensor is None else self.read(tensor)
+    def read_list(self, tensors: list, slot: int) -> tuple:
+        return tuple(None if t is None else self.read(t, (slot, i)) for i, t in enumerate(tensors))
 
-    def read_list(self, tensors: list) -> tuple:
-        return tuple(None if t is None else self.read(t) for t in tensors)
+
+def _apply_views(values: tuple, views: tuple) -> list:
+    """Inside the jitted program: replaces storage arrays by the views the op was called with."""
+    values = list(values)
+    for (slot, item), geometry in views:
+        if item < 0:
+            values[slot] = storage.view_of(values[slot], geometry)
+        else:
+            items = list(values[slot])
+            items[item] = storage.view_of(items[item], geometry)
+            values[slot] = tuple(items)
+    return values
 
 
 def check_cast(value: Any, destination: torch.Tensor) -> None:
@@ -210,7 +231,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, defaulted = key
+        static_values, defaulted, views = key
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
             slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
         ]
@@ -219,6 +240,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         ]
 
         def traced(*dynamic_values):
+            if views:
+                dynamic_values = _apply_views(dynamic_values, views)
             call = [None] * n_inputs
             for slot, value in zip(dynamic_slots, dynamic_values):
                 call[slot] = value
@@ -237,12 +260,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         dynamic = []
         for _, index, kind in tensor_slots:
             value = bound[index]
-            if kind == _TENSOR:
-                dynamic.append(reader.read(value))
-            elif kind == _OPT_TENSOR:
-                dynamic.append(reader.read_optional(value))
+            if kind == _TENSOR_LIST:
+                dynamic.append(reader.read_list(value, len(dynamic)))
+            elif value is None:
+                dynamic.append(None)
             else:
-                dynamic.append(reader.read_list(value))
+                dynamic.append(reader.read(value, (len(dynamic), -1)))
         defaulted = []
         for _, index, default in scalar_slots:
             value = bound[index]
@@ -250,15 +273,18 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             defaulted.append(is_default)
             if not is_default:
                 if isinstance(value, torch.Tensor):
-                    value = reader.read(value)
+                    value = reader.read(value, (len(dynamic), -1))
                 elif isinstance(value, (list, tuple)):
                     value = tuple(_scalar_array(v) for v in value)
                 elif value is not None:
                     value = _scalar_array(value)
                 dynamic.append(value)
-        key = (tuple([_frozen(bound[index]) for _, index in static_slots]), tuple(defaulted))
+        key = (tuple([_frozen(bound[index]) for _, index in static_slots]), tuple(defaulted), tuple(reader.views))
         fn = jitted.get(key) or compile_for(key)
-        result = fn(*dynamic)
+        try:
+            result = fn(*dynamic)
+        except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
+            raise RuntimeError(f"{op.name()}: {error}") from error
 
         if destinations:
             outs = [bound[i] for i in destinations]

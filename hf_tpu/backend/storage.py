@@ -136,6 +136,17 @@ def is_whole(tensor: torch.Tensor, buffer: Buffer) -> bool:
     )
 
 
+def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:
+    """What :func:`view_of` needs to take ``tensor``'s view of its storage array (hashable)."""
+    return (buffer.dtype, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def view_of(array: Any, geometry: tuple) -> Any:
+    """Traceable: the view ``geometry`` of a storage array."""
+    _, dtype, size, stride, offset = geometry
+    return strided.read(_reinterpret(array.reshape(-1), dtypes.to_jax(dtype)), size, stride, offset)
+
+
 def read(tensor: torch.Tensor) -> Any:
     """The tensor's values as a JAX array of its shape and dtype."""
     buffer = tensor.untyped_storage()._hf_buffer
@@ -144,7 +155,7 @@ def read(tensor: torch.Tensor) -> Any:
         array = buffer.materialize()
     if array.shape == tensor.shape and is_whole(tensor, buffer):
         return array
-    return _view_reader(array.shape, buffer.dtype, *_geometry(tensor))(array)
+    return _view_reader(view_geometry(tensor, buffer))(array)
 
 
 def write(tensor: torch.Tensor, value: Any) -> None:
@@ -156,11 +167,7 @@ def write(tensor: torch.Tensor, value: Any) -> None:
             value = _cast_to(tuple(tensor.shape), target)(value)
         buffer.set(value)
         return
-    buffer.set(_view_writer(buffer.materialize().shape, buffer.dtype, *_geometry(tensor))(buffer.array, value))
-
-
-def _geometry(tensor: torch.Tensor) -> tuple:
-    return tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+    buffer.set(_view_writer(view_geometry(tensor, buffer))(buffer.materialize(), value))
 
 
 @functools.cache
@@ -182,23 +189,18 @@ def _reinterpret(flat: Any, dtype: Any) -> Any:
 
 
 @functools.cache
-def _view_reader(array_shape, storage_dtype, dtype, size, stride, offset):
-    target = dtypes.to_jax(dtype)
-
-    def read_view(array):
-        return strided.read(_reinterpret(array.reshape(-1), target), size, stride, offset)
-
-    return jax.jit(read_view)
+def _view_reader(geometry: tuple):
+    return jax.jit(lambda array: view_of(array, geometry))
 
 
 @functools.cache
-def _view_writer(array_shape, storage_dtype, dtype, size, stride, offset):
-    target = dtypes.to_jax(dtype)
-    storage_target = dtypes.to_jax(storage_dtype)
+def _view_writer(geometry: tuple):
+    storage_dtype, dtype, size, stride, offset = geometry
+    target, storage_target = dtypes.to_jax(dtype), dtypes.to_jax(storage_dtype)
 
     def write_view(array, value):
         flat = _reinterpret(array.reshape(-1), target)
         flat = strided.write(flat, value.astype(target), size, stride, offset)
-        return _reinterpret(flat, storage_target)
+        return _reinterpret(flat, storage_target).reshape(array.shape)
 
     return jax.jit(write_view)
