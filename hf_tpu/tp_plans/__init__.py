@@ -5,5 +5,5 @@ layer of a transformers model (``tp_plan="auto"`` style: colwise, rowwise, repli
 JAX device mesh, the sharded arrays that back parameters split across ``tpu:0`` .. ``tpu:N-1``, and
 the collectives (all-reduce, all-gather, reduce-scatter) that those layers need, lowered to JAX.
 
-Until then, eager tensors live on ``tpu:0`` only (see :mod:`hf_tpu.backend.storage`).
+Until then, each tensor lives whole on one chip (see :mod:`hf_tpu.backend.storage`).
 """
