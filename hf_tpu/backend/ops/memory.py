@@ -33,10 +33,16 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
 
 def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
     """Copies a host tensor to a device, converting dtype on the host first (fewer bytes to move)."""
+    source = host
     host = host.detach().resolve_conj().resolve_neg()
     if host.dtype != dtype:
         host = host.to(dtype)
     host = host.contiguous()
+    jax_device = runtime.device(device_index)
+    if jax_device.platform == "cpu" and host.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+        # JAX's CPU platform aliases suitably aligned host memory even with may_alias=False (jax 0.10),
+        # so a later in-place write to the host tensor would change the device tensor: copy first.
+        host = host.clone()
     if host.dtype == torch.bfloat16:
         array = host.view(torch.int16).numpy().view(dtypes.host_numpy_dtype(torch.bfloat16))
     elif host.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -46,8 +52,7 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
     target = dtypes.to_jax(dtype)
     if array.dtype != target:
         array = array.astype(target)
-    # may_alias=False: JAX's CPU platform would otherwise share the host tensor's memory.
-    return jax.device_put(array, runtime.device(device_index), may_alias=False)
+    return jax.device_put(array, jax_device, may_alias=False)
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,12 +73,22 @@ def _device_index_of(tensor: torch.Tensor) -> int:
     return storage.buffer_of(tensor).device_index
 
 
+def _check_no_internal_overlap(tensor: torch.Tensor) -> None:
+    """As on CPU: a copy may not write through a view whose elements share memory (``expand``)."""
+    if 0 in tensor.stride() and torch._debug_has_internal_overlap(tensor) == 1:
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a single "
+            "memory location. Please clone() the tensor before performing the operation."
+        )
+
+
 @kernel("copy_")
 def copy_(self, src, non_blocking=False):
     if self.device.type != "tpu":
         if self.device.type != "cpu":
             raise device_mismatch(src.device, self.device)
         return self.copy_(to_host(src), non_blocking)
+    _check_no_internal_overlap(self)
     index = _device_index_of(self)
     if src.device.type == "tpu":
         value = storage.read(src)

@@ -1,0 +1,172 @@
+"""Moving data between host and device: to/copy_/cpu, scalars, printing, threads, lazy allocation."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import assert_same
+
+
+def _sample(shape=(3, 5), dtype=torch.float32) -> torch.Tensor:
+    return (torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * 1.37 - 7).to(dtype)
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16, torch.int32, torch.float32])
+def test_host_to_device_with_dtype_conversion(target):
+    host = _sample()
+    assert_same(host.to("tpu", target), host.to(target), rtol=0, atol=0)
+    assert_same(host.to(device="tpu", dtype=target), host.to(target), rtol=0, atol=0)
+    destination = torch.empty(3, 5, dtype=target, device="tpu")
+    assert destination.copy_(host) is destination
+    assert_same(destination, host.to(target), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float64, torch.int64])
+def test_device_to_host_with_dtype_conversion(target):
+    host = _sample()
+    device = host.to("tpu")
+    expected = host.to(target)
+    for result in (device.to("cpu", target), device.to(target).cpu(), torch.empty(3, 5, dtype=target).copy_(device)):
+        assert result.device.type == "cpu"
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+def test_to_same_device_returns_self():
+    device = _sample().to("tpu")
+    for same in (device.to("tpu"), device.to("tpu:0"), device.to(torch.float32), device.tpu()):
+        assert same is device
+    assert device.to("tpu", copy=True) is not device
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_round_trip(non_blocking):
+    host = _sample((4, 7))
+    device = host.to("tpu", non_blocking=non_blocking)
+    assert device.device == torch.device("tpu:0")
+    back = device.to("cpu", non_blocking=non_blocking)
+    torch.accelerator.synchronize()
+    torch.testing.assert_close(back, host, rtol=0, atol=0)
+    torch.testing.assert_close(device.cpu(), host, rtol=0, atol=0)
+
+
+def test_copy_broadcasts_host_source():
+    destination = torch.zeros(2, 3, device="tpu")
+    destination.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert destination.cpu().tolist() == [[1.0, 2.0, 3.0]] * 2
+
+
+def test_device_to_device_copy():
+    source = _sample().to("tpu")
+    destination = torch.empty(3, 5, dtype=torch.bfloat16, device="tpu")
+    destination.copy_(source)
+    torch.testing.assert_close(destination.cpu(), _sample().to(torch.bfloat16), rtol=0, atol=0)
+    assert source.untyped_storage().data_ptr() != destination.untyped_storage().data_ptr()
+
+
+def test_copy_into_non_contiguous_device_view():
+    def copy_into_views(destination):
+        destination.t()[1:4].copy_(torch.arange(12.0).reshape(3, 4))
+        destination[:, ::2].copy_(torch.full((4, 3), -1.0))
+        return destination
+
+    assert_same(copy_into_views(torch.zeros(4, 6, device="tpu")), copy_into_views(torch.zeros(4, 6)))
+
+
+@pytest.mark.parametrize(
+    "view_fn",
+    [lambda t: t.t(), lambda t: t[:, 1::2], lambda t: t.unfold(1, 2, 1), lambda t: t[1:, :1].expand(2, 4)],
+    ids=["transpose", "step_slice", "overlapping_unfold", "expand"],
+)
+def test_copy_from_non_contiguous_device_view_to_host(view_fn):
+    host = _sample()
+    expected = view_fn(host)
+    actual = view_fn(host.to("tpu"))
+    for result in (actual.cpu(), torch.empty(expected.shape).copy_(actual)):
+        assert result.is_contiguous()
+        torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [3.25, -7, True, 2**40 + 3, 1 + 2j],
+    ids=["float", "int", "bool", "int64_large", "complex"],
+)
+def test_item(value):
+    host = torch.tensor(value)
+    device = host.to("tpu")
+    assert device.item() == host.item() == value
+    assert type(device.item()) is type(host.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_tolist(dtype):
+    host = _sample((2, 3), dtype)
+    assert host.to("tpu").tolist() == host.tolist()
+    assert host.to("tpu")[1].tolist() == host[1].tolist()
+
+
+@pytest.mark.parametrize(
+    "host",
+    [torch.tensor([1.5, -2.0, 3.0]), torch.tensor([[1, 2], [3, 4]]), torch.tensor(2.5, dtype=torch.bfloat16),
+     torch.tensor([True, False])],
+    ids=["float", "int", "bf16_scalar", "bool"],
+)
+def test_repr_matches_cuda_style(host):
+    expected = repr(host)
+    expected = expected[:-1] + ", device='tpu:0')"
+    assert repr(host.to("tpu")) == expected
+    assert str(host.to("tpu")) == expected
+
+
+def test_numpy_raises_type_error_like_cuda():
+    with pytest.raises(TypeError, match="Tensor.cpu()"):
+        torch.ones(2, device="tpu").numpy()
+
+
+def test_concurrent_copies_from_threads():
+    sources = [torch.full((64, 33), float(i)) + torch.arange(33.0) for i in range(200)]
+    destinations = [torch.empty(64, 33, device="tpu") for _ in sources]
+
+    def copy(i):
+        destinations[i].copy_(sources[i])
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(copy, range(len(sources))))
+    for source, destination in zip(sources, destinations):
+        torch.testing.assert_close(destination.cpu(), source, rtol=0, atol=0)
+
+
+def test_huge_empty_is_lazy_and_freed():
+    gc.collect()
+    before = torch.tpu.memory_allocated()
+    start = time.perf_counter()
+    huge = torch.empty(2**32, dtype=torch.float16, device="tpu")  # 8 GiB
+    assert time.perf_counter() - start < 1.0
+    assert huge.untyped_storage().nbytes() == 2**33
+    assert torch.tpu.memory_allocated() == before
+    buffer = weakref.ref(huge.untyped_storage()._hf_buffer)
+    del huge
+    gc.collect()
+    assert buffer() is None
+    assert torch.tpu.memory_allocated() == before
+
+
+@pytest.mark.parametrize(
+    "upload",
+    [lambda h: h.to("tpu"), lambda h: torch.empty(h.shape, device="tpu").copy_(h), lambda h: h.t().to("tpu").t()],
+    ids=["to", "copy_", "to_non_contiguous"],
+)
+def test_device_copy_does_not_alias_host_memory(upload):
+    host = _sample()
+    device = upload(host)
+    host.fill_(0)
+    torch.testing.assert_close(device.cpu(), _sample(), rtol=0, atol=0)
+    downloaded = device.cpu()
+    downloaded.fill_(1)
+    torch.testing.assert_close(device.cpu(), _sample(), rtol=0, atol=0)
