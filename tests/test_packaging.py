@@ -34,7 +34,9 @@ def run_python(code: str, autoload: bool = True) -> subprocess.CompletedProcess:
         timeout=SUBPROCESS_TIMEOUT,
         cwd=ROOT,
     )
-    assert completed.returncode == 0, f"exit {completed.returncode}\nstdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
+    assert completed.returncode == 0, (
+        f"exit {completed.returncode}\nstdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
+    )
     return completed
 
 
