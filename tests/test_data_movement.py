@@ -118,8 +118,11 @@ def test_tolist(dtype):
     ids=["float", "int", "bf16_scalar", "bool"],
 )
 def test_repr_matches_cuda_style(host):
-    expected = repr(host)
-    expected = expected[:-1] + ", device='tpu:0')"
+    expected = repr(host)  # CUDA style: the device goes before the dtype, e.g. "tensor(1., device='cuda:0', dtype=...)"
+    if ", dtype=" in expected:
+        expected = expected.replace(", dtype=", ", device='tpu:0', dtype=", 1)
+    else:
+        expected = expected[:-1] + ", device='tpu:0')"
     assert repr(host.to("tpu")) == expected
     assert str(host.to("tpu")) == expected
 

@@ -32,6 +32,9 @@ VIEWS = {
     "alias": lambda t: torch.ops.aten.alias(t),
     "detach": lambda t: t.detach(),
     "view_as_int32": lambda t: t.view(torch.int32),
+    "view_as_int16": lambda t: t.view(torch.int16),
+    "view_as_uint8": lambda t: t.view(torch.uint8),
+    "view_as_complex": lambda t: torch.view_as_complex(t.view(4, 3, 2)),
     "chained": lambda t: t.t()[1:5].narrow(1, 1, 2),
 }
 
@@ -102,6 +105,26 @@ def test_view_geometry_and_pointers_match_cpu(view_fn):
     assert tpu_view.untyped_storage().data_ptr() == tpu_base.untyped_storage().data_ptr()
     assert tpu_view.data_ptr() - tpu_base.data_ptr() == cpu_view.data_ptr() - cpu_base.data_ptr()
     assert tpu_view.untyped_storage().nbytes() == cpu_view.untyped_storage().nbytes() == 96
+
+
+COMPLEX_VIEWS = {
+    "view_as_real": torch.view_as_real,
+    "real": lambda t: t.real,
+    "imag": lambda t: t.imag,
+    "view_as_float32": lambda t: t.view(torch.float32),
+}
+
+
+@pytest.mark.parametrize("mutation", ["add_", "fill_", "copy_from_host", "setitem_slice"])
+@pytest.mark.parametrize("view_fn", COMPLEX_VIEWS.values(), ids=COMPLEX_VIEWS.keys())
+def test_real_views_of_complex_alias_base(view_fn, mutation):
+    def mutate(device):
+        base = torch.complex(torch.arange(6.0), -torch.arange(6.0)).reshape(2, 3).to(device)
+        view = view_fn(base)
+        MUTATIONS[mutation](view)
+        return base, view
+
+    assert_same(mutate("tpu"), mutate("cpu"), rtol=0, atol=0)
 
 
 def test_expand_aliases_base():

@@ -33,6 +33,7 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
 
 def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
     """Copies a host tensor to a device, converting dtype on the host first (fewer bytes to move)."""
+    target = dtypes.to_jax(dtype)  # raises TypeError for a dtype the device cannot hold
     source = host
     host = host.detach().resolve_conj().resolve_neg()
     if host.dtype != dtype:
@@ -49,7 +50,6 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
         array = host.view(torch.uint8).numpy().view(dtypes.host_numpy_dtype(host.dtype))
     else:
         array = host.numpy()
-    target = dtypes.to_jax(dtype)
     if array.dtype != target:
         array = array.astype(target)
     return jax.device_put(array, jax_device, may_alias=False)
