@@ -45,7 +45,7 @@ def register() -> None:
                 f"PrivateUse1 is already renamed to {name!r} (another backend such as torchax is loaded); "
                 "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
             )
-        from . import device_module, fallback
+        from . import autocast, device_module, fallback
 
         if name != "tpu":
             torch.utils.rename_privateuse1_backend("tpu")
@@ -54,6 +54,7 @@ def register() -> None:
         torch._C._acc.register_python_privateuseone_hook(_Hooks())
         torch._C._acc.register_python_privateuseone_device_guard(_Guard())
         fallback.install()
+        autocast.install()
         _install_backends_flag()
         _patch_accelerator(device_module)
         _patch_module_conversion()
