@@ -1,3 +1,4 @@
 """Lowerings by op family. Importing this package fills the op table in :mod:`..dispatch`."""
 
 from . import memory, pointwise, views  # noqa: F401
+from . import factories, indexing, linalg, nn, random  # noqa: F401

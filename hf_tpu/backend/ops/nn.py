@@ -1,0 +1,292 @@
+"""Neural-network ops: softmax, normalization, activations, embedding, losses, dropout.
+
+scaled_dot_product_attention takes its math path (matmuls and ``_safe_softmax``) on this device.
+
+Half-precision inputs are computed in float32 and rounded once, like torch's accumulate types.
+Backward ops asked (through ``output_mask``) not to compute a gradient return an empty tensor in its
+place: the op table cannot return undefined tensors, and autograd ignores those outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .. import dtypes, storage
+from ..dispatch import kernel, lowering
+from . import random
+
+_REDUCTIONS = ("none", "mean", "sum")  # at::Reduction: 0, 1, 2
+
+
+def _compute_dtype(dtype):
+    return jnp.dtype("float32") if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def _upcast(x):
+    return x.astype(_compute_dtype(x.dtype))
+
+
+def _axis(dim, ndim):
+    return dim % max(ndim, 1)
+
+
+def _unrequested(dtype):
+    return jnp.zeros((0,), dtype)
+
+
+def _softmax_of(x, axis):
+    shifted = x - jnp.max(x, axis=axis, keepdims=True)
+    exps = jnp.exp(shifted)
+    return exps / jnp.sum(exps, axis=axis, keepdims=True)
+
+
+def _log_softmax_of(x, axis):
+    shifted = x - jnp.max(x, axis=axis, keepdims=True)
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
+
+
+def _along_last_axis(fn, x, dim, dtype):
+    """Applies ``fn(x, axis)`` in ``x``'s compute dtype; zero-dim inputs act as one-element vectors."""
+    values = _upcast(x).reshape(x.shape or (1,))
+    return fn(values, _axis(dim, x.ndim)).reshape(x.shape).astype(dtype)
+
+
+@lowering("_softmax", "_softmax.out")
+def softmax(self, dim, half_to_float):
+    return _along_last_axis(_softmax_of, self, dim, jnp.float32 if half_to_float else self.dtype)
+
+
+@lowering("_log_softmax", "_log_softmax.out")
+def log_softmax(self, dim, half_to_float):
+    return _along_last_axis(_log_softmax_of, self, dim, jnp.float32 if half_to_float else self.dtype)
+
+
+@lowering("_safe_softmax")
+def safe_softmax(self, dim, dtype=None):
+    """Softmax whose fully masked rows (all ``-inf``) are zeros instead of NaN."""
+    dtype = self.dtype if dtype is None else dtypes.to_jax(dtype)
+    values = self.astype(dtype)
+    result = _along_last_axis(_softmax_of, values, dim, dtype)
+    masked = jnp.all(values == -jnp.inf, axis=_axis(dim, self.ndim) if self.ndim else None, keepdims=True)
+    return jnp.where(masked, jnp.zeros((), dtype), result)
+
+
+@lowering("_softmax_backward_data", "_softmax_backward_data.out")
+def softmax_backward(grad_output, output, dim, input_dtype):
+    grad, out = _upcast(grad_output), _upcast(output)
+    axis = _axis(dim, output.ndim) if output.ndim else None
+    grad_input = out * (grad - jnp.sum(grad * out, axis=axis, keepdims=True))
+    return grad_input.astype(dtypes.to_jax(input_dtype))
+
+
+@lowering("_log_softmax_backward_data", "_log_softmax_backward_data.out")
+def log_softmax_backward(grad_output, output, dim, input_dtype):
+    grad, out = _upcast(grad_output), _upcast(output)
+    axis = _axis(dim, output.ndim) if output.ndim else None
+    grad_input = grad - jnp.exp(out) * jnp.sum(grad, axis=axis, keepdims=True)
+    return grad_input.astype(dtypes.to_jax(input_dtype))
+
+
+def _normalized_axes(x, normalized_shape):
+    return tuple(range(x.ndim - len(normalized_shape), x.ndim))
+
+
+@lowering("native_layer_norm")
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    """Returns (output, mean, rstd); the statistics are float32 for half inputs, as on CUDA."""
+    axes = _normalized_axes(input, normalized_shape)
+    x = _upcast(input)
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True) + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * weight.astype(x.dtype)
+    if bias is not None:
+        out = out + bias.astype(x.dtype)
+    return out.astype(input.dtype), mean, rstd
+
+
+@lowering("native_layer_norm_backward")
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    axes = _normalized_axes(input, normalized_shape)
+    batch_axes = tuple(range(input.ndim - len(normalized_shape)))
+    x, grad = _upcast(input), _upcast(grad_out)
+    normalized = (x - mean) * rstd
+    grad_normalized = grad if weight is None else grad * weight.astype(x.dtype)
+    if output_mask[0]:
+        grad_input = rstd * (
+            grad_normalized
+            - jnp.mean(grad_normalized, axis=axes, keepdims=True)
+            - normalized * jnp.mean(grad_normalized * normalized, axis=axes, keepdims=True)
+        )
+        grad_input = grad_input.astype(input.dtype)
+    else:
+        grad_input = _unrequested(input.dtype)
+    grad_weight = grad_bias = _unrequested(input.dtype)
+    if output_mask[1] and weight is not None:
+        grad_weight = jnp.sum(grad * normalized, axis=batch_axes).astype(weight.dtype)
+    if output_mask[2] and bias is not None:
+        grad_bias = jnp.sum(grad, axis=batch_axes).astype(bias.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+_SQRT_HALF = 1 / math.sqrt(2)
+_TANH_SCALE = math.sqrt(2 / math.pi)
+_TANH_CUBIC = 0.044715
+
+
+def _check_approximate(approximate):
+    if approximate not in ("none", "tanh"):
+        raise RuntimeError("approximate argument must be either none or tanh.")
+
+
+@lowering("gelu", "gelu_", "gelu.out")
+def gelu(self, approximate="none"):
+    _check_approximate(approximate)
+    x = _upcast(self)
+    if approximate == "tanh":
+        out = 0.5 * x * (1 + jnp.tanh(_TANH_SCALE * (x + _TANH_CUBIC * x * x * x)))
+    else:
+        out = 0.5 * x * (1 + jax.lax.erf(x * _SQRT_HALF))
+    return out.astype(self.dtype)
+
+
+@lowering("gelu_backward", "gelu_backward.grad_input")
+def gelu_backward(grad_output, self, approximate="none"):
+    _check_approximate(approximate)
+    x, grad = _upcast(self), _upcast(grad_output)
+    if approximate == "tanh":
+        tanh = jnp.tanh(_TANH_SCALE * (x + _TANH_CUBIC * x * x * x))
+        inner_derivative = _TANH_SCALE * (1 + 3 * _TANH_CUBIC * x * x)
+        derivative = 0.5 * (1 + tanh) + 0.5 * x * (1 - tanh * tanh) * inner_derivative
+    else:
+        cdf = 0.5 * (1 + jax.lax.erf(x * _SQRT_HALF))
+        pdf = jnp.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        derivative = cdf + x * pdf
+    return (grad * derivative).astype(grad_output.dtype)
+
+
+@lowering("silu", "silu_", "silu.out")
+def silu(self):
+    x = _upcast(self)
+    return (x * jax.nn.sigmoid(x)).astype(self.dtype)
+
+
+@lowering("silu_backward", "silu_backward.grad_input")
+def silu_backward(grad_output, self):
+    x, grad = _upcast(self), _upcast(grad_output)
+    sigmoid = jax.nn.sigmoid(x)
+    return (grad * sigmoid * (1 + x * (1 - sigmoid))).astype(grad_output.dtype)
+
+
+@lowering("threshold_backward", "threshold_backward.grad_input")
+def threshold_backward(grad_output, self, threshold):
+    return jnp.where(self <= threshold, jnp.zeros((), grad_output.dtype), grad_output)
+
+
+@lowering("embedding", "embedding.out")
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0, mode="clip")
+
+
+@lowering("embedding_dense_backward", "embedding_dense_backward.out")
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat = indices.reshape(-1)
+    rows = _upcast(grad_output).reshape(flat.shape[0], -1)
+    if padding_idx >= 0:
+        rows = jnp.where((flat == padding_idx)[:, None], jnp.zeros((), rows.dtype), rows)
+    grad = jnp.zeros((num_weights, rows.shape[1]), rows.dtype).at[flat].add(rows, mode="drop")
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), rows.dtype).at[flat].add(jnp.ones((), rows.dtype), mode="drop")
+        grad = grad / jnp.maximum(counts, 1)[:, None]
+    return grad.astype(grad_output.dtype)
+
+
+def _nll_parts(self, target, weight, ignore_index):
+    """Per-element losses and weights, class dimension 1 (0 for an unbatched input)."""
+    class_axis = 0 if self.ndim == 1 else 1
+    kept = target != ignore_index
+    safe_target = jnp.where(kept, target, 0)
+    picked = jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis)
+    picked = jnp.squeeze(picked, class_axis)
+    if weight is None:
+        weights = jnp.ones(target.shape, self.dtype)
+    else:
+        weights = jnp.take(weight.astype(self.dtype), safe_target, mode="clip")
+    weights = jnp.where(kept, weights, jnp.zeros((), self.dtype))
+    return -picked * weights, weights, safe_target, class_axis
+
+
+@lowering("nll_loss_forward", "nll_loss_forward.output", "nll_loss2d_forward", "nll_loss2d_forward.output")
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    """Returns (loss, total_weight); ``total_weight`` is the sum of the weights of counted targets."""
+    losses, weights, _, _ = _nll_parts(self, target, weight, ignore_index)
+    total_weight = jnp.sum(_upcast(weights)).astype(self.dtype)
+    if _REDUCTIONS[reduction] == "none":
+        return losses, jnp.zeros((), self.dtype)
+    total = jnp.sum(_upcast(losses))
+    if _REDUCTIONS[reduction] == "mean":
+        total = total / total_weight.astype(total.dtype)
+    return total.astype(self.dtype), total_weight
+
+
+@lowering("nll_loss_backward", "nll_loss_backward.grad_input", "nll_loss2d_backward", "nll_loss2d_backward.grad_input")
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    _, weights, safe_target, class_axis = _nll_parts(self, target, weight, ignore_index)
+    scale = grad_output if _REDUCTIONS[reduction] == "none" else grad_output.reshape(())
+    if _REDUCTIONS[reduction] == "mean":
+        scale = scale / total_weight
+    values = -weights * scale.astype(self.dtype)
+    classes = jax.lax.broadcasted_iota(target.dtype, self.shape, class_axis)
+    hit = classes == jnp.expand_dims(safe_target, class_axis)
+    return jnp.where(hit, jnp.expand_dims(values, class_axis), jnp.zeros((), self.dtype))
+
+
+def _reduce_loss(losses, reduction, dtype):
+    if _REDUCTIONS[reduction] == "none":
+        return losses.astype(dtype)
+    total = jnp.sum(losses)
+    return (total / losses.size if _REDUCTIONS[reduction] == "mean" else total).astype(dtype)
+
+
+@lowering("mse_loss", "mse_loss.out")
+def mse_loss(self, target, reduction=1):
+    dtype = dtypes.result_type(self, target)
+    difference = _upcast(self.astype(dtype)) - _upcast(target.astype(dtype))
+    return _reduce_loss(difference * difference, reduction, dtype)
+
+
+@lowering("mse_loss_backward", "mse_loss_backward.grad_input")
+def mse_loss_backward(grad_output, self, target, reduction):
+    dtype = dtypes.result_type(self, target)
+    scale = 2 / self.size if _REDUCTIONS[reduction] == "mean" else 2
+    difference = _upcast(self.astype(dtype)) - _upcast(target.astype(dtype))
+    grad = jnp.broadcast_to(scale * difference * _upcast(grad_output), jnp.broadcast_shapes(self.shape, target.shape))
+    return grad.astype(dtype)
+
+
+@lowering("native_dropout_backward", "native_dropout_backward.out")
+def native_dropout_backward(grad_output, mask, scale):
+    return (grad_output * mask.astype(grad_output.dtype) * scale).astype(grad_output.dtype)
+
+
+@jax.jit
+def _dropout(parts, input, keep):
+    mask = jax.random.bernoulli(random.key(parts), keep, input.shape)
+    x = _upcast(input)
+    scale = jnp.where(keep == 0, 0, 1 / keep).astype(x.dtype)
+    return (x * mask.astype(x.dtype) * scale).astype(input.dtype), mask
+
+
+@kernel("native_dropout")
+def native_dropout(input, p, train):
+    """Returns (output, keep mask); ``train=False`` passes the input through."""
+    if train is False:
+        return input.clone(), torch.ones_like(input, dtype=torch.bool)
+    index = storage.buffer_of(input).device_index
+    out, mask = _dropout(random.key_parts(index), storage.read(input), 1.0 - p)
+    return storage.wrap(out, input.dtype, index), storage.wrap(mask, torch.bool, index)
