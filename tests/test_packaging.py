@@ -121,6 +121,18 @@ def test_hf_tpu_info_runs():
     assert re.search(r"^torch\s+2\.", completed.stdout, re.MULTILINE), completed.stdout
 
 
+def test_hf_tpu_demo_agrees_with_cpu():
+    completed = subprocess.run(
+        [hf_tpu_command(), "demo"],
+        env=_environment(autoload=True),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+    )
+    assert completed.returncode == 0, f"stdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
+    assert "OK: tpu and cpu agree." in completed.stdout
+
+
 def test_readme_set_up_commands_install_cpu_torch_first():
     commands = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pip install")]
     assert any(line.endswith("hf-tpu demo") for line in commands), commands
