@@ -88,8 +88,78 @@ def test_copy_from_non_contiguous_device_view_to_host(view_fn):
     expected = view_fn(host)
     actual = view_fn(host.to("tpu"))
     for result in (actual.cpu(), torch.empty(expected.shape).copy_(actual)):
-        assert result.is_contiguous()
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
+
+
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.transpose(0, 2),
+    "permuted": lambda t: t.permute(1, 2, 0),
+    "step_slice": lambda t: t[:, ::2],
+    "expanded": lambda t: t[:, :1].expand(2, 5, 4),
+    "channels_last": lambda t: t.unsqueeze(0).contiguous(memory_format=torch.channels_last),
+}
+CONVERSIONS = {  # (where the source lives, the conversion): each a _to_copy with preserve_format
+    "host_to_device": ("cpu", lambda t: t.to("tpu")),
+    "device_dtype_change": ("tpu", lambda t: t.to(torch.float64)),
+    "device_to_host": ("tpu", lambda t: t.cpu()),
+}
+
+
+@pytest.mark.parametrize("conversion", CONVERSIONS.values(), ids=CONVERSIONS.keys())
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_to_preserves_strides_like_cpu(layout, conversion):
+    source_device, convert = conversion
+    host = torch.arange(24.0).reshape(2, 3, 4)
+    expected = layout(host).to(torch.float64)  # CPU's own preserve_format copy
+    actual = convert(layout(host.to(source_device)))
+    assert actual.stride() == expected.stride()
+    torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, check_dtype=False)
+
+
+@pytest.mark.parametrize("source_device", ["cpu", "tpu"])
+def test_to_channels_last(source_device):
+    host = torch.arange(48.0).reshape(2, 3, 2, 4)
+    expected = host.to(memory_format=torch.channels_last)
+    actual = host.to(source_device).to("tpu", memory_format=torch.channels_last)
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    assert actual.stride() == expected.stride()
+    torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
+
+
+UNINITIALIZED_IN_FORMAT = {
+    "empty": lambda t: torch.empty(2, 3, 2, 4, device=t.device, memory_format=torch.channels_last),
+    "empty_3d": lambda t: torch.empty(2, 3, 1, 2, 4, device=t.device, memory_format=torch.channels_last_3d),
+    "empty_like_preserve": lambda t: torch.empty_like(t.permute(0, 2, 3, 1)),
+}
+COPIES_IN_FORMAT = {
+    "contiguous": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "clone": lambda t: t.clone(memory_format=torch.channels_last),
+    "clone_preserve": lambda t: t.permute(0, 2, 3, 1).clone(),
+}
+
+
+@pytest.mark.parametrize("op", UNINITIALIZED_IN_FORMAT.values(), ids=UNINITIALIZED_IN_FORMAT.keys())
+def test_memory_format_of_empty_tensors_matches_cpu(op):
+    host = torch.arange(48.0).reshape(2, 3, 2, 4)
+    assert op(host.to("tpu")).stride() == op(host).stride()
+
+
+@pytest.mark.parametrize("op", COPIES_IN_FORMAT.values(), ids=COPIES_IN_FORMAT.keys())
+def test_memory_format_of_copies_matches_cpu(op):
+    host = torch.arange(48.0).reshape(2, 3, 2, 4)
+    expected, actual = op(host), op(host.to("tpu"))
+    assert actual.stride() == expected.stride()
+    torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
+
+
+def test_complex_to_real_on_device_warns_like_cpu():
+    complex_tensor = torch.tensor([1 + 2j, 3 - 1j], device="tpu")
+    with pytest.warns(UserWarning, match="discards the imaginary part"):
+        real = complex_tensor.to(torch.float32)
+    with pytest.warns(UserWarning, match="discards the imaginary part"):
+        torch.empty(2, device="tpu").copy_(complex_tensor)
+    assert real.cpu().tolist() == [1.0, 3.0]
 
 
 @pytest.mark.parametrize(

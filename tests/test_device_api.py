@@ -54,7 +54,7 @@ def test_set_device_and_device_context():
     torch.tpu.set_device("tpu:0")
     torch.tpu.set_device(torch.device("tpu", 0))
     assert torch.tpu.current_device() == 0
-    for spec in (0, "tpu:0", torch.device("tpu:0"), None):
+    for spec in (0, "tpu:0", torch.device("tpu:0"), None, -1):
         with torch.tpu.device(spec):
             assert torch.tpu.current_device() == 0
     assert torch.tpu.current_device() == 0
@@ -87,6 +87,21 @@ def test_rng_state_round_trip():
     torch.tpu.set_rng_state(state)
     assert torch.equal(torch.tpu.get_rng_state(), state)
     torch.testing.assert_close(torch.rand(8, device="tpu").cpu(), first, rtol=0, atol=0)
+
+
+def test_global_manual_seed_seeds_the_device():
+    torch.manual_seed(21)
+    assert torch.tpu.initial_seed() == 21
+    first = torch.rand(4, device="tpu").cpu()
+    torch.manual_seed(21)
+    torch.testing.assert_close(torch.rand(4, device="tpu").cpu(), first, rtol=0, atol=0)
+
+
+def test_fork_rng_restores_device_stream():
+    torch.tpu.manual_seed(3)
+    with torch.random.fork_rng(device_type="tpu"):
+        inside = torch.rand(4, device="tpu").cpu()
+    torch.testing.assert_close(torch.rand(4, device="tpu").cpu(), inside, rtol=0, atol=0)
 
 
 def test_set_rng_state_rejects_foreign_state():

@@ -80,7 +80,7 @@ class device(contextlib.ContextDecorator):
     """Context manager that makes ``device`` the current tpu device."""
 
     def __init__(self, device: Any) -> None:
-        self.index = -1 if device is None else _index(device)
+        self.index = -1 if device is None or device == -1 else _index(device)  # None, -1: no change (CUDA)
         self.previous = 0
 
     def __enter__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -21,9 +22,17 @@ def _index(device: Any) -> int:
     return device_module.current_device() if index is None else device_module._index(index)
 
 
+_CHANNELS_LAST_STRIDES = {
+    torch.channels_last: torch._prims_common.make_channels_last_strides_for,
+    torch.channels_last_3d: torch._prims_common.make_channels_last_3d_strides_for,
+}
+
+
 @kernel("empty.memory_format")
 def empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return storage.empty(size, dtype or torch.get_default_dtype(), _index(device))
+    strides = _CHANNELS_LAST_STRIDES.get(memory_format)
+    stride = None if strides is None else strides(size)
+    return storage.empty(size, dtype or torch.get_default_dtype(), _index(device), stride)
 
 
 @kernel("empty_strided")
@@ -103,6 +112,7 @@ def copy_(self, src, non_blocking=False):
     else:
         raise device_mismatch(self.device, src.device)
     if self.is_complex() is False and jnp.iscomplexobj(value):
+        _warn_if_discarding_imaginary(src.dtype, self.dtype)
         value = value.real
     storage.write(self, value)
     return self
@@ -120,23 +130,51 @@ def _copy_from_and_resize(self, dst):
     return copy_(dst, self)
 
 
+def _warn_if_discarding_imaginary(source: torch.dtype, destination: torch.dtype) -> None:
+    if source.is_complex and not destination.is_complex:
+        warnings.warn("Casting complex values to real discards the imaginary part", UserWarning, stacklevel=3)
+
+
+def _layout_for(tensor: torch.Tensor, memory_format: Any) -> tuple | None:
+    """The strides of ``tensor.to(..., memory_format=...)``'s result, as on CPU; None for contiguous."""
+    if memory_format in (None, torch.preserve_format):
+        if tensor.is_contiguous() or not torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
+            return None
+        return tuple(tensor.stride())
+    strides = _CHANNELS_LAST_STRIDES.get(memory_format)
+    return None if strides is None else strides(tensor.shape)
+
+
+def _device_result(value: Any, dtype: torch.dtype, index: int, stride: tuple | None) -> torch.Tensor:
+    if stride is None:
+        return storage.wrap(value, dtype, index)
+    result = storage.empty(value.shape, dtype, index, stride)
+    storage.write(result, value)
+    return result
+
+
 @kernel("_to_copy")
 def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
+    stride = _layout_for(self, memory_format)
     if self.device.type != "tpu":  # host -> device, converting on the host
-        return storage.wrap(to_device(self, dtype, _index(target)), dtype, _index(target))
+        index = _index(target)
+        return _device_result(to_device(self, dtype, index), dtype, index, stride)
     if target.type == "tpu":
+        _warn_if_discarding_imaginary(self.dtype, dtype)
         index = _index(target)
         value = storage.read(self)
         if _device_index_of(self) != index:
             value = jax.device_put(value, runtime.device(index))
         if value.dtype != dtypes.to_jax(dtype):
             value = _astype(dtypes.to_jax(dtype))(value)
-        return storage.wrap(value, dtype, index)
+        return _device_result(value, dtype, index, stride)
     host = to_host(self)
     if host.dtype != dtype:
         host = host.to(dtype)
+    if stride is not None:
+        host = torch.empty_strided(host.shape, stride, dtype=dtype).copy_(host)
     if target.type != "cpu":
         return host.to(target)
     return host.pin_memory() if pin_memory else host
