@@ -231,3 +231,26 @@ def test_factories():
     assert_same(torch.ones(4, device="tpu"), torch.ones(4))
     assert_same(torch.scalar_tensor(3, device="tpu"), torch.scalar_tensor(3))
     assert_same(torch.tensor(2.5).to("tpu").new_full((2,), 4), torch.tensor(2.5).new_full((2,), 4))
+
+
+def test_masked_scatter_take_search():
+    source = torch.arange(30, dtype=torch.float32)
+    check_against_cpu(lambda a, m, s: a.masked_scatter(m, s), A, MASK, source)
+    check_against_cpu(lambda a, m, s: a.masked_scatter(m, s), A, MASK[0], source)
+    check_against_cpu(torch.take, A, torch.tensor([[0, -1], [23, 5]]))
+    boundaries = torch.tensor([-1.0, 0.0, 0.5, 2.0])
+    check_against_cpu(torch.bucketize, A, boundaries)
+    check_against_cpu(lambda a, b: torch.bucketize(a, b, right=True, out_int32=True), A.round(), boundaries)
+    check_against_cpu(torch.searchsorted, torch.sort(A).values, A[:, :2])
+    check_against_cpu(lambda s, v: torch.searchsorted(s, v, side="right"), boundaries, torch.tensor(0.5))
+    check_against_cpu(torch.repeat_interleave, torch.tensor([2, 0, 3]))
+    check_against_cpu(lambda a, r: a.repeat_interleave(r, dim=0), A, torch.tensor([1, 0, 2, 1]))
+    check_against_cpu(lambda e: torch.unique(e, dim=0), torch.tensor([[1, 2], [0, 1], [1, 2]]))
+    check_against_cpu(lambda e: torch.unique_consecutive(e, return_counts=True), torch.tensor([1, 1, 2, 2, 2, 1]))
+
+
+def test_index_factories():
+    assert_same(torch.tril_indices(3, 4, device="tpu"), torch.tril_indices(3, 4))
+    assert_same(torch.triu_indices(4, 3, 1, device="tpu"), torch.triu_indices(4, 3, 1))
+    assert_same(torch.logspace(-1, 2, 5, device="tpu"), torch.logspace(-1, 2, 5))
+    assert_same(torch.logspace(0, 3, 4, base=2, device="tpu"), torch.logspace(0, 3, 4, base=2))

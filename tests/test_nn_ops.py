@@ -79,6 +79,12 @@ def test_embedding():
     weight = leaf(torch.randn(10, 8))
     check_against_cpu(with_grads(lambda w, i: F.embedding(i, w, scale_grad_by_freq=True)), weight, indices)
 
+    def renormed(w, i):
+        w = w.clone()
+        return F.embedding(i, w, max_norm=1.5), w
+
+    check_against_cpu(renormed, torch.randn(10, 8), indices)
+
 
 def test_layer_norm():
     check_module(nn.LayerNorm(8), leaf(X), atol=1e-5, rtol=1e-4)

@@ -100,6 +100,12 @@ def test_exponential():
     assert x.min().item() >= 0 and abs(x.mean().item() - 0.5) < 0.02
 
 
+def test_poisson():
+    torch.manual_seed(0)
+    x = torch.poisson(torch.full((N,), 4.0, device="tpu")).cpu()
+    assert torch.equal(x, x.round()) and abs(x.mean().item() - 4.0) < 0.1 and abs(x.var().item() - 4.0) < 0.3
+
+
 def test_multinomial():
     torch.manual_seed(0)
     probabilities = torch.tensor([[0.1, 0.0, 0.6, 0.3], [1.0, 1.0, 0.0, 2.0]], device="tpu")

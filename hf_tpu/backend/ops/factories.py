@@ -1,7 +1,7 @@
 """Factory ops: arange, linspace, eye, zero tensors.
 
 ``arange``'s bounds decide its length, so they are static (one compilation per distinct range);
-``linspace``'s end points are traced, its number of steps static. ``full``, ``zeros``, ``ones``,
+``linspace``/``logspace``'s end points are traced, their number of steps static. ``full``, ``zeros``, ``ones``,
 ``scalar_tensor`` and the ``*_like`` factories are torch composites over ``empty`` and ``fill_``.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -82,7 +83,7 @@ def arange_out(end, out=None):
     return _into(out, torch.arange(0, end, 1, dtype=out.dtype, device=out.device))
 
 
-@lowering("linspace", static=("steps",))
+@lowering("linspace")
 def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
     """Evenly spaced values, computed from both ends toward the middle like torch's kernel."""
     if steps < 0:
@@ -101,6 +102,34 @@ def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory
 @kernel("linspace.out")
 def linspace_out(start, end, steps, out=None):
     return _into(out, torch.linspace(start, end, steps, dtype=out.dtype, device=out.device))
+
+
+@lowering("logspace")
+def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None, pin_memory=None):
+    dtype = dtype or torch.get_default_dtype()
+    exponents = linspace(start, end, steps, torch.float64 if dtype == torch.float64 else torch.float32)
+    return jnp.power(jnp.asarray(base, exponents.dtype), exponents).astype(dtypes.to_jax(dtype))
+
+
+@kernel("logspace.out")
+def logspace_out(start, end, steps, base=10.0, out=None):
+    return _into(out, torch.logspace(start, end, steps, base, dtype=out.dtype, device=out.device))
+
+
+def _index_dtype(dtype):
+    """The schema default ``dtype=4`` arrives as the integer ScalarType::Long."""
+    return dtypes.to_jax(dtype if isinstance(dtype, torch.dtype) else torch.int64)
+
+
+@lowering("tril_indices", "tril_indices.out")
+def tril_indices(row, col, offset=0, dtype=torch.int64, layout=None, device=None, pin_memory=None):
+    """The (2, N) coordinates of the lower triangle, row by row (a compile-time constant)."""
+    return jnp.asarray(np.stack(np.tril_indices(row, offset, col)), _index_dtype(dtype))
+
+
+@lowering("triu_indices", "triu_indices.out")
+def triu_indices(row, col, offset=0, dtype=torch.int64, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(np.stack(np.triu_indices(row, offset, col)), _index_dtype(dtype))
 
 
 @lowering("eye")

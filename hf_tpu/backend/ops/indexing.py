@@ -7,6 +7,9 @@ index on the device, as CUDA does with a device-to-host sync. ``x[mask] = scalar
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -127,6 +130,17 @@ def nonzero_static(self, size, fill_value=-1):
     return jnp.stack(jnp.nonzero(self, size=size, fill_value=fill_value), axis=1).astype(jnp.int64)
 
 
+@lowering("masked_scatter", "masked_scatter_", "masked_scatter.out")
+def masked_scatter(self, mask, source):
+    """Fills the masked positions, in order, with ``source``'s leading elements (no host sync)."""
+    if source.size == 0:
+        return self
+    flat_mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
+    positions = jnp.maximum(jnp.cumsum(flat_mask, dtype=jnp.int64) - 1, 0)
+    values = jnp.take(source.reshape(-1), positions, mode="clip").astype(self.dtype)
+    return jnp.where(flat_mask, values, self.reshape(-1)).reshape(self.shape)
+
+
 @kernel("masked_select")
 def masked_select(self, mask):
     if mask.dtype != torch.bool:
@@ -140,6 +154,12 @@ def index_select(self, dim, index):
     if self.ndim == 0:
         return self
     return jnp.take(self, index.reshape(-1), axis=dim % self.ndim, mode="clip")
+
+
+@lowering("take", "take.out")
+def take(self, index):
+    """Elements of the flattened ``self``; negative indices count from the end."""
+    return jnp.take(self.reshape(-1), index)
 
 
 def _index_along(self, dim, index):
@@ -327,6 +347,44 @@ def isin(elements, test_elements, assume_unique=False, invert=False):
     return ~found if invert else found
 
 
+@lowering("searchsorted.Tensor", "searchsorted.Scalar", "searchsorted.Tensor_out", "searchsorted.Scalar_out")
+def searchsorted(sorted_sequence, self, out_int32=False, right=False, side=None, sorter=None):
+    """Insertion points in the last dim of ``sorted_sequence`` (batched over its leading dims)."""
+    side = side or ("right" if right else "left")
+    dtype = result_type(sorted_sequence, self)
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    boundaries, values = sorted_sequence.astype(dtype), jnp.asarray(self).astype(dtype)
+    if boundaries.ndim == 1:
+        positions = jnp.searchsorted(boundaries, values, side=side)
+    else:
+        rows = boundaries.reshape(-1, boundaries.shape[-1])
+        positions = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))(rows, values.reshape(rows.shape[0], -1))
+        positions = positions.reshape(values.shape)
+    return positions.astype(jnp.int32 if out_int32 else jnp.int64)
+
+
+@lowering("bucketize.Tensor", "bucketize.Scalar", "bucketize.Tensor_out", "bucketize.Scalar_out")
+def bucketize(self, boundaries, out_int32=False, right=False):
+    return searchsorted(boundaries, self, out_int32, right)
+
+
+@kernel("repeat_interleave.Tensor")
+def repeat_interleave(repeats, output_size=None):
+    """``i`` repeated ``repeats[i]`` times; without ``output_size`` the total is read to the host."""
+    if repeats.dim() != 1:
+        raise RuntimeError("repeat_interleave only accept 1D vector as repeat")
+    if output_size is None:
+        output_size = int(to_host(repeats).sum())
+    index = _device_index(repeats)
+    return storage.wrap(_repeated_positions(storage.read(repeats), output_size), repeats.dtype, index)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _repeated_positions(repeats, total):
+    return jnp.repeat(jnp.arange(repeats.shape[0], dtype=repeats.dtype), repeats, total_repeat_length=total)
+
+
 @lowering("constant_pad_nd", "constant_pad_nd.out")
 def constant_pad_nd(self, pad, value=0):
     """Pads (or, with negative amounts, crops) the last ``len(pad) // 2`` dims, last dim first."""
@@ -336,9 +394,16 @@ def constant_pad_nd(self, pad, value=0):
     return lax.pad(self, jnp.asarray(value).astype(self.dtype), config)
 
 
-@kernel("_unique2")
-def unique2(self, sorted=True, return_inverse=False, return_counts=False):
-    """Computed on the host: the output size depends on the data."""
-    index = _device_index(self)
-    results = torch._unique2(to_host(self), sorted, return_inverse, return_counts)
-    return tuple(storage.wrap(to_device(r, r.dtype, index), r.dtype, index) for r in results)
+def _unique_on_host(op):
+    """A unique-values kernel computed on the host: its output size depends on the data."""
+
+    def run(self, *args, **kwargs):
+        index = _device_index(self)
+        results = op(to_host(self), *args, **kwargs)
+        return tuple(storage.wrap(to_device(r, r.dtype, index), r.dtype, index) for r in results)
+
+    return run
+
+
+for _name in ("_unique2", "unique_dim", "unique_consecutive"):
+    kernel(_name)(_unique_on_host(getattr(torch.ops.aten, _name).default))

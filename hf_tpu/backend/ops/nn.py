@@ -183,11 +183,6 @@ def silu_backward(grad_output, self):
     return (grad * sigmoid * (1 + x * (1 - sigmoid))).astype(grad_output.dtype)
 
 
-@lowering("threshold_backward", "threshold_backward.grad_input")
-def threshold_backward(grad_output, self, threshold):
-    return jnp.where(self <= threshold, jnp.zeros((), grad_output.dtype), grad_output)
-
-
 @lowering("embedding", "embedding.out")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0, mode="clip")
@@ -204,6 +199,16 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
         counts = jnp.zeros((num_weights,), rows.dtype).at[flat].add(jnp.ones((), rows.dtype), mode="drop")
         grad = grad / jnp.maximum(counts, 1)[:, None]
     return grad.astype(grad_output.dtype)
+
+
+@lowering("embedding_renorm_", "embedding_renorm", "embedding_renorm.out")
+def embedding_renorm(self, indices, max_norm, norm_type):
+    """Rescales the looked-up rows whose ``norm_type``-norm exceeds ``max_norm`` (``F.embedding(max_norm=)``)."""
+    rows = indices.reshape(-1)
+    selected = _upcast(self[rows])
+    norms = jnp.sum(jnp.abs(selected) ** norm_type, axis=1) ** (1 / norm_type)
+    scale = jnp.where(norms > max_norm, max_norm / (norms + 1e-7), jnp.ones((), selected.dtype))
+    return self.at[rows].set((selected * scale[:, None]).astype(self.dtype))
 
 
 def _nll_parts(self, target, weight, ignore_index):

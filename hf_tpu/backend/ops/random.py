@@ -181,6 +181,18 @@ def random_to_(self, to, generator=None):
     return _random(self, 0, to, generator)
 
 
+@jax.jit
+def _poisson(parts, rates):
+    samples = jax.random.poisson(key(parts), rates.astype(_sample_dtype(rates.dtype)), rates.shape)
+    return samples.astype(rates.dtype)
+
+
+@kernel("poisson")
+def poisson(self, generator=None):
+    index = _device_index(self)
+    return storage.wrap(_poisson(key_parts(index, generator), storage.read(self)), self.dtype, index)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _multinomial(parts, probabilities, num_samples, replacement):
     logits = jnp.log(probabilities.astype(_sample_dtype(probabilities.dtype)))
