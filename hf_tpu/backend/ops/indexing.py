@@ -359,8 +359,8 @@ def searchsorted(sorted_sequence, self, out_int32=False, right=False, side=None,
         positions = jnp.searchsorted(boundaries, values, side=side)
     else:
         rows = boundaries.reshape(-1, boundaries.shape[-1])
-        positions = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))(rows, values.reshape(rows.shape[0], -1))
-        positions = positions.reshape(values.shape)
+        search = jax.vmap(lambda row, v: jnp.searchsorted(row, v, side=side))
+        positions = search(rows, values.reshape(rows.shape[0], -1)).reshape(values.shape)
     return positions.astype(jnp.int32 if out_int32 else jnp.int64)
 
 
