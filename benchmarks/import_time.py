@@ -5,7 +5,7 @@ Runs ``python -X importtime -c "import torch"`` in fresh subprocesses with
 ``torch.backends`` entry point), alternating the two, and reads the cumulative import time of the
 ``torch`` package from each run. Prints the median of each and the difference in ms.
 
-    python benchmarks/import_time.py [--runs 7]
+    python benchmarks/import_time.py [--runs 11]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def torch_import_microseconds(autoload: bool) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=7, help="subprocesses per setting (default 7)")
+    parser.add_argument("--runs", type=int, default=11, help="subprocesses per setting (default 11)")
     args = parser.parse_args()
 
     samples: dict[bool, list[int]] = {False: [], True: []}
