@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
+import pickle
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -243,3 +246,62 @@ def test_device_copy_does_not_alias_host_memory(upload):
     downloaded = device.cpu()
     downloaded.fill_(1)
     torch.testing.assert_close(device.cpu(), _sample(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("map_location", [None, "cpu", "tpu"])
+def test_torch_save_and_load_of_device_tensors(map_location):
+    weight = _sample().to("tpu")
+    checkpoint = {"weight": weight, "row": weight[1], "step": torch.tensor(7, device="tpu")}
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location=map_location)
+    expected_device = "tpu" if map_location in (None, "tpu") else "cpu"
+    assert loaded["weight"].device.type == expected_device
+    torch.testing.assert_close(loaded["weight"].cpu(), _sample(), rtol=0, atol=0)
+    torch.testing.assert_close(loaded["row"].cpu(), _sample()[1], rtol=0, atol=0)
+    assert loaded["step"].item() == 7
+    assert loaded["row"].untyped_storage().data_ptr() == loaded["weight"].untyped_storage().data_ptr()
+
+
+def test_load_host_checkpoint_onto_device():
+    buffer = io.BytesIO()
+    torch.save({"weight": _sample()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location="tpu")
+    assert_same(loaded["weight"], _sample(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("clone", [copy.deepcopy, lambda t: pickle.loads(pickle.dumps(t))], ids=["deepcopy", "pickle"])
+def test_deepcopy_and_pickle_of_device_tensor(clone):
+    original = _sample().to("tpu")
+    copied = clone(original)
+    assert copied.device.type == "tpu"
+    assert copied.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+    torch.testing.assert_close(copied.cpu(), _sample(), rtol=0, atol=0)
+
+
+def test_untyped_storage_constructor_on_device():
+    empty = torch.UntypedStorage(12, device="tpu")
+    assert empty.device == torch.device("tpu:0") and empty.nbytes() == 12
+    filled = torch.UntypedStorage([1, 2, 250], device="tpu")
+    assert filled.device.type == "tpu"
+    assert torch.empty(0, dtype=torch.uint8).set_(filled.cpu()).tolist() == [1, 2, 250]
+    assert torch.UntypedStorage(3).device.type == "cpu"
+
+
+def test_pin_memory_for_the_device():
+    host = _sample().t()
+    pinned = host.pin_memory()
+    assert pinned.stride() == host.stride() and pinned.data_ptr() != host.data_ptr()
+    torch.testing.assert_close(pinned, host, rtol=0, atol=0)
+    torch.testing.assert_close(pinned.to("tpu", non_blocking=True).cpu(), host, rtol=0, atol=0)
+
+
+def test_dataloader_with_pin_memory():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dataset = TensorDataset(torch.arange(12.0).reshape(6, 2), torch.arange(6))
+    batches = [(x.to("tpu", non_blocking=True), y.to("tpu")) for x, y in DataLoader(dataset, batch_size=4, pin_memory=True)]
+    assert [len(y) for _, y in batches] == [4, 2]
+    torch.testing.assert_close(torch.cat([x.cpu() for x, _ in batches]), torch.arange(12.0).reshape(6, 2))

@@ -58,6 +58,8 @@ def register() -> None:
         _install_backends_flag()
         _patch_accelerator(device_module)
         _patch_module_conversion()
+        _patch_storage_constructor()
+        _install_host_pinning()
         _registered = True
 
 
@@ -159,3 +161,39 @@ def _patch_module_conversion() -> None:
     torch.nn.Module.to = to
     torch.nn.Module.cpu = cpu
     torch.nn.Module.tpu = tpu
+
+
+_storage_new = torch.UntypedStorage.__new__
+
+
+def _patch_storage_constructor() -> None:
+    """``torch.UntypedStorage(n, device="tpu")`` (``torch.load`` of tpu tensors) would use the PrivateUse1
+    allocator, which a Python backend cannot provide, and segfault; build the storage from a tensor."""
+
+    def new(cls: type, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device is None:
+            return _storage_new(cls, *args, **kwargs)
+        if torch.device(device).type != "tpu":
+            return _storage_new(cls, *args, device=device, **kwargs)
+        if args and not isinstance(args[0], int):  # from a sequence of byte values
+            host = torch.empty(0, dtype=torch.uint8).set_(_storage_new(cls, *args, **kwargs))
+            return host.to(device).untyped_storage()
+        return torch.empty(args[0] if args else 0, dtype=torch.uint8, device=device).untyped_storage()
+
+    torch.UntypedStorage.__new__ = new
+
+
+_pinning_library: list[torch.library.Library] = []
+
+
+def _install_host_pinning() -> None:
+    """``Tensor.pin_memory()`` (DataLoader(pin_memory=True), the Trainer's default) asks the PrivateUse1
+    hooks for a pinned allocator, which a Python backend cannot provide. JAX stages host transfers itself,
+    so "pinning" for tpu is a plain host copy with the same strides."""
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype).copy_(self)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_pin_memory", pin_memory, "CPU")
+    _pinning_library.append(library)
