@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -201,9 +202,48 @@ def test_invalid_device_index_raises_clearly(action):
     assert torch.tpu.current_device() == 0
 
 
-def test_virtual_device_count_from_environment():
+_MULTI_CHIP_SCRIPT = """
+import json, torch, hf_tpu
+report = {"count": torch.tpu.device_count(), "accelerator_count": torch.accelerator.device_count()}
+torch.tpu.set_device(2)
+report["current"] = [torch.tpu.current_device(), torch.accelerator.current_device_index()]
+host = torch.arange(3.0)
+report["bare_tpu"] = {
+    "empty": str(torch.empty(2, device="tpu").device),
+    "ones": str(torch.ones(2, device="tpu").device),
+    "arange": str(torch.arange(3, device="tpu").device),
+    "tensor": str(torch.tensor([1.0], device="tpu").device),
+    "to": str(host.to("tpu").device),
+    "to_device": str(host.to(torch.device("tpu")).device),
+    "tpu_method": str(host.tpu().device),
+    "module": str(torch.nn.Linear(2, 2).to("tpu").weight.device),
+}
+with torch.tpu.device(3):
+    inside = host.to("tpu")
+report["context"] = [str(inside.device), torch.tpu.current_device()]
+moved = inside.to("tpu:1")
+report["cross_chip"] = [str(moved.device), moved.cpu().tolist(),
+                        torch.empty(3, device="tpu:0").copy_(moved).cpu().tolist()]
+try:
+    torch.ones(2, device="tpu:0") + torch.ones(2, device="tpu:1")
+except RuntimeError as error:
+    report["mixed_chips"] = str(error)
+print(json.dumps(report))
+"""
+
+
+def test_virtual_chips_from_environment():
     environment = dict(os.environ, HF_TPU_NUM_DEVICES="4", HF_TPU_PLATFORM="cpu")
-    script = "import torch, hf_tpu; print(torch.tpu.device_count(), torch.accelerator.device_count())"
-    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _MULTI_CHIP_SCRIPT], env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["4", "4"]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["count"] == report["accelerator_count"] == 4
+    assert report["current"] == [2, 2]
+    assert report["bare_tpu"] == {name: "tpu:2" for name in report["bare_tpu"]}, "a bare 'tpu' is the current chip"
+    assert report["context"] == ["tpu:3", 2]
+    assert report["cross_chip"] == ["tpu:1", [0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+    assert report["mixed_chips"] == (
+        "Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:1!"
+    )

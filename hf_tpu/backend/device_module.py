@@ -73,7 +73,57 @@ def current_device() -> int:
 
 
 def set_device(device: Any) -> None:
-    _local.index = _index(device)
+    _make_current(_index(device))
+
+
+def _make_current(index: int) -> None:
+    _local.index = index
+    if index != 0 and not _index_resolution_installed:
+        _install_index_resolution()
+
+
+_index_resolution_installed = False
+_install_lock = threading.Lock()
+
+
+def _resolved(device: Any) -> Any:
+    if device == "tpu" or (isinstance(device, torch.device) and device.type == "tpu" and device.index is None):
+        return torch.device("tpu", current_device())
+    return device
+
+
+def _install_index_resolution() -> None:
+    """Makes a bare ``"tpu"`` in ``Tensor.to``/``torch.tensor``/``torch.as_tensor`` mean the current device.
+
+    torch fills in a missing index from the PrivateUse1 device guard, which a Python backend cannot
+    implement (it always answers 0). Installed only once a device other than tpu:0 is made current,
+    so single-chip programs keep torch's own functions.
+    """
+    global _index_resolution_installed
+    with _install_lock:
+        if _index_resolution_installed:
+            return
+        _index_resolution_installed = True
+    tensor_to, tensor, as_tensor = torch.Tensor.to, torch.tensor, torch.as_tensor
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            args = (_resolved(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _resolved(kwargs["device"])
+        return tensor_to(self, *args, **kwargs)
+
+    def with_device(factory: Any) -> Any:
+        def create(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            return factory(*args, device=_resolved(device), **kwargs)
+
+        create.__doc__ = factory.__doc__
+        return create
+
+    to.__doc__ = tensor_to.__doc__
+    torch.Tensor.to = to
+    torch.tensor = with_device(tensor)
+    torch.as_tensor = with_device(as_tensor)
 
 
 class device(contextlib.ContextDecorator):
@@ -86,7 +136,7 @@ class device(contextlib.ContextDecorator):
     def __enter__(self) -> None:
         self.previous = current_device()
         if self.index >= 0:
-            _local.index = self.index
+            _make_current(self.index)
 
     def __exit__(self, *exc: Any) -> None:
         _local.index = self.previous
