@@ -224,6 +224,19 @@ report["context"] = [str(inside.device), torch.tpu.current_device()]
 moved = inside.to("tpu:1")
 report["cross_chip"] = [str(moved.device), moved.cpu().tolist(),
                         torch.empty(3, device="tpu:0").copy_(moved).cpu().tolist()]
+from hf_tpu.backend import runtime, storage
+on_chip_3 = {
+    "to": host.to("tpu:3"),
+    "empty_then_fill_": torch.empty(2, device="tpu:3").fill_(1.0),
+    "zeros": torch.zeros(2, device="tpu:3"),
+    "arange": torch.arange(3, device="tpu:3"),
+    "eye": torch.eye(2, device="tpu:3"),
+    "add": host.to("tpu:3") + 1,
+}
+report["data_on_chip"] = {
+    name: str(tensor.device) == "tpu:3" and storage.buffer_of(tensor).materialize().devices() == {runtime.device(3)}
+    for name, tensor in on_chip_3.items()
+}
 try:
     torch.ones(2, device="tpu:0") + torch.ones(2, device="tpu:1")
 except RuntimeError as error:
@@ -232,18 +245,36 @@ print(json.dumps(report))
 """
 
 
-def test_virtual_chips_from_environment():
+@pytest.fixture(scope="module")
+def four_chip_report() -> dict:
+    """Runs the multi-chip script once in a subprocess with HF_TPU_NUM_DEVICES=4 (virtual chips)."""
     environment = dict(os.environ, HF_TPU_NUM_DEVICES="4", HF_TPU_PLATFORM="cpu")
     result = subprocess.run(
         [sys.executable, "-c", _MULTI_CHIP_SCRIPT], env=environment, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["count"] == report["accelerator_count"] == 4
-    assert report["current"] == [2, 2]
-    assert report["bare_tpu"] == {name: "tpu:2" for name in report["bare_tpu"]}, "a bare 'tpu' is the current chip"
-    assert report["context"] == ["tpu:3", 2]
-    assert report["cross_chip"] == ["tpu:1", [0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
-    assert report["mixed_chips"] == (
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_virtual_chip_count_from_environment(four_chip_report):
+    assert four_chip_report["count"] == four_chip_report["accelerator_count"] == 4
+    assert four_chip_report["current"] == [2, 2]
+
+
+def test_bare_tpu_means_the_current_chip(four_chip_report):
+    assert four_chip_report["bare_tpu"] == {name: "tpu:2" for name in four_chip_report["bare_tpu"]}
+    assert four_chip_report["context"] == ["tpu:3", 2]
+
+
+def test_copies_between_chips(four_chip_report):
+    assert four_chip_report["cross_chip"] == ["tpu:1", [0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+
+
+def test_device_data_lives_on_the_tensors_chip(four_chip_report):
+    assert four_chip_report["data_on_chip"] == {name: True for name in four_chip_report["data_on_chip"]}
+
+
+def test_mixing_chips_raises_like_cuda(four_chip_report):
+    assert four_chip_report["mixed_chips"] == (
         "Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:1!"
     )

@@ -74,9 +74,11 @@ def test_copy_between_devices_is_not_a_device_mismatch():
     [
         lambda index: torch.zeros(2).to(f"tpu:{index}"),
         lambda index: torch.zeros(2, device=f"tpu:{index}"),
+        lambda index: torch.arange(3, device=f"tpu:{index}"),
+        lambda index: torch.eye(2, device=f"tpu:{index}"),
         lambda index: torch.tpu.get_device_name(index),
     ],
-    ids=["to", "factory", "device_name"],
+    ids=["to", "factory", "arange", "eye", "device_name"],
 )
 def test_device_index_past_the_last_device_raises(action):
     index = torch.tpu.device_count()
