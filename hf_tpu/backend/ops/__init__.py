@@ -2,3 +2,4 @@
 
 from . import memory, pointwise, views  # noqa: F401
 from . import factories, indexing, linalg, nn, random  # noqa: F401
+from . import foreach, reductions  # noqa: F401

@@ -1,0 +1,344 @@
+"""Reductions and scans: sum, mean, prod, min/max, arg-min/max, var/std, any/all, norms, cumsum.
+
+Dtypes follow torch: sums and products of integers and bools give int64, ``dtype=`` casts the input
+first, and half-precision inputs accumulate in float32. Each overload family has one function per
+schema shape, since lowerings take their arguments in schema order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import dtypes
+from ..dispatch import _type_name, lowering
+from .pointwise import _float_result, _opmath
+
+
+def _name(dtype) -> str:
+    """torch's name for a dtype in messages ("Long", "Float")."""
+    return _type_name(dtypes.to_torch(dtype))
+
+
+def _dims(self, dim, empty_means_all=True) -> tuple[int, ...]:
+    """Normalised reduction dims; ``None`` (and, for most reductions, ``[]``) mean all dims."""
+    if dim is None or (empty_means_all and isinstance(dim, (tuple, list)) and not dim):
+        return tuple(range(self.ndim))
+    rank = max(self.ndim, 1)
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    for d in dims:
+        if not -rank <= d < rank:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-rank}, {rank - 1}], but got {d})")
+    normalised = tuple(d % rank for d in dims)
+    if len(set(normalised)) != len(normalised):
+        raise RuntimeError(f"dim {dims} appears multiple times in the list of dims")
+    return tuple(sorted(normalised)) if self.ndim else ()
+
+
+def _dim(self, dim: int) -> int | None:
+    """One normalised dim; ``None`` for a 0-dim tensor, whose dim 0 / -1 is the whole tensor."""
+    dims = _dims(self, dim)
+    return dims[0] if dims else None
+
+
+def _size(self, dims) -> int:
+    return math.prod(self.shape[d] for d in dims)
+
+
+def _accumulated(self, dtype):
+    """The input cast to the result ``dtype``, then to the dtype its math runs in."""
+    return self.astype(dtype).astype(_opmath(dtype))
+
+
+def _integral_to_long(self, dtype):
+    """The result dtype of ``sum``, ``prod``, ``cumsum``: ``dtype``, else int64 for integers and bools."""
+    if dtype is not None:
+        return dtypes.to_jax(dtype)
+    if jnp.issubdtype(self.dtype, jnp.inexact):
+        return self.dtype
+    return np.dtype(jnp.int64)
+
+
+def _floating(self, dtype, name):
+    out = self.dtype if dtype is None else dtypes.to_jax(dtype)
+    if not jnp.issubdtype(out, jnp.inexact):
+        raise RuntimeError(
+            f"{name}(): could not infer output dtype. Input dtype must be either a floating point or complex dtype. "
+            f"Got: {_name(out)}"
+        )
+    return out
+
+
+def _sum(self, dims, keepdim, dtype):
+    out = _integral_to_long(self, dtype)
+    x = _accumulated(self, out)
+    return jnp.sum(x, axis=dims, keepdims=keepdim, dtype=x.dtype).astype(out)
+
+
+@lowering("sum.default", "sum.out")
+def sum_all(self, dtype=None):
+    return _sum(self, None, False, dtype)
+
+
+@lowering("sum.dim_IntList", "sum.IntList_out")
+def sum_dim(self, dim, keepdim=False, dtype=None):
+    return _sum(self, _dims(self, dim), keepdim, dtype)
+
+
+@lowering("nansum", "nansum.out")
+def nansum(self, dim=None, keepdim=False, dtype=None):
+    if jnp.issubdtype(self.dtype, jnp.inexact):
+        self = jnp.where(jnp.isnan(self), jnp.zeros((), self.dtype), self)
+    return _sum(self, _dims(self, dim), keepdim, dtype)
+
+
+def _mean(self, dims, keepdim, dtype):
+    out = _floating(self, dtype, "mean")
+    x = _accumulated(self, out)
+    return jnp.mean(x, axis=dims, keepdims=keepdim, dtype=x.dtype).astype(out)
+
+
+@lowering("mean.default", "mean.dtype_out")
+def mean_all(self, dtype=None):
+    return _mean(self, None, False, dtype)
+
+
+@lowering("mean.dim", "mean.out")
+def mean_dim(self, dim, keepdim=False, dtype=None):
+    return _mean(self, _dims(self, dim), keepdim, dtype)
+
+
+def _prod(self, dims, keepdim, dtype):
+    out = _integral_to_long(self, dtype)
+    x = _accumulated(self, out)
+    return jnp.prod(x, axis=dims, keepdims=keepdim, dtype=x.dtype).astype(out)
+
+
+@lowering("prod.default", "prod.out")
+def prod_all(self, dtype=None):
+    return _prod(self, None, False, dtype)
+
+
+@lowering("prod.dim_int", "prod.int_out")
+def prod_dim(self, dim, keepdim=False, dtype=None):
+    return _prod(self, _dims(self, dim), keepdim, dtype)
+
+
+@lowering("amax", "amax.out")
+def amax(self, dim=(), keepdim=False):
+    return jnp.max(self, axis=_dims(self, dim), keepdims=keepdim)
+
+
+@lowering("amin", "amin.out")
+def amin(self, dim=(), keepdim=False):
+    return jnp.min(self, axis=_dims(self, dim), keepdims=keepdim)
+
+
+def _check_nonempty(self, name):
+    if self.size == 0:
+        raise RuntimeError(
+            f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+            "Specify the reduction dim with the 'dim' argument."
+        )
+
+
+@lowering("max", "max.unary_out")
+def max_all(self):
+    _check_nonempty(self, "max")
+    return jnp.max(self)
+
+
+@lowering("min", "min.unary_out")
+def min_all(self):
+    _check_nonempty(self, "min")
+    return jnp.min(self)
+
+
+def _arg(fn, self, dim, keepdim):
+    """Index of the first extreme value (NaN counting as the extreme) along ``dim``, as int64."""
+    if dim is None:
+        return jnp.zeros(self.shape, jnp.int64)
+    values = self.astype(jnp.uint8) if self.dtype == jnp.bool_ else self
+    return fn(values, axis=dim, keepdims=keepdim).astype(jnp.int64)
+
+
+@lowering("max.dim", "max.dim_max")
+def max_dim(self, dim, keepdim=False):
+    d = _dim(self, dim)
+    return (self if d is None else jnp.max(self, axis=d, keepdims=keepdim)), _arg(jnp.argmax, self, d, keepdim)
+
+
+@lowering("min.dim", "min.dim_min")
+def min_dim(self, dim, keepdim=False):
+    d = _dim(self, dim)
+    return (self if d is None else jnp.min(self, axis=d, keepdims=keepdim)), _arg(jnp.argmin, self, d, keepdim)
+
+
+def _arg_all(fn, self, dim, keepdim):
+    if self.dtype == jnp.bool_:
+        raise RuntimeError(f"{fn.__name__}(): does not support bool input")
+    if dim is not None:
+        return _arg(fn, self, _dim(self, dim), keepdim)
+    _check_nonempty(self, fn.__name__)
+    index = _arg(fn, self.reshape(-1), 0, False)
+    return index.reshape((1,) * self.ndim) if keepdim else index
+
+
+@lowering("argmax", "argmax.out")
+def argmax(self, dim=None, keepdim=False):
+    return _arg_all(jnp.argmax, self, dim, keepdim)
+
+
+@lowering("argmin", "argmin.out")
+def argmin(self, dim=None, keepdim=False):
+    return _arg_all(jnp.argmin, self, dim, keepdim)
+
+
+@lowering("aminmax", "aminmax.out")
+def aminmax(self, dim=None, keepdim=False):
+    if dim is None:
+        _check_nonempty(self, "aminmax")
+        shape = (1,) * self.ndim if keepdim else ()
+        return jnp.min(self).reshape(shape), jnp.max(self).reshape(shape)
+    d = _dim(self, dim)
+    if d is None:
+        return self, self
+    return jnp.min(self, axis=d, keepdims=keepdim), jnp.max(self, axis=d, keepdims=keepdim)
+
+
+def _var_mean(self, dim, correction, keepdim):
+    if not jnp.issubdtype(self.dtype, jnp.inexact):
+        raise RuntimeError(f"std and var only support floating point and complex dtypes, got {_name(self.dtype)}")
+    dims = _dims(self, dim)
+    x = self.astype(_opmath(self.dtype))
+    mean = jnp.mean(x, axis=dims, keepdims=True)
+    squares = jnp.sum(jnp.square(jnp.abs(x - mean)), axis=dims, keepdims=keepdim)
+    correction = 1 if correction is None else correction
+    divisor = jnp.maximum(jnp.asarray(_size(self, dims), squares.dtype) - jnp.asarray(correction, squares.dtype), 0)
+    mean = mean if keepdim else jnp.squeeze(mean, dims)
+    return squares / divisor, mean
+
+
+@lowering("var.correction", "var.correction_out")
+def var(self, dim=None, correction=None, keepdim=False):
+    return _var_mean(self, dim, correction, keepdim)[0].astype(self.dtype)
+
+
+@lowering("std.correction", "std.correction_out")
+def std(self, dim=None, correction=None, keepdim=False):
+    return jnp.sqrt(_var_mean(self, dim, correction, keepdim)[0]).astype(self.dtype)
+
+
+@lowering("var_mean.correction")
+def var_mean(self, dim=None, correction=None, keepdim=False):
+    variance, mean = _var_mean(self, dim, correction, keepdim)
+    return variance.astype(self.dtype), mean.astype(self.dtype)
+
+
+@lowering("std_mean.correction")
+def std_mean(self, dim=None, correction=None, keepdim=False):
+    variance, mean = _var_mean(self, dim, correction, keepdim)
+    return jnp.sqrt(variance).astype(self.dtype), mean.astype(self.dtype)
+
+
+def _truth(fn, self, dims, keepdim):
+    """``any``/``all``: bool results, except uint8 in, uint8 out (as torch)."""
+    result = fn(self != 0, axis=dims, keepdims=keepdim)
+    return result.astype(jnp.uint8) if self.dtype == jnp.uint8 else result
+
+
+@lowering("any", "any.all_out")
+def any_all(self):
+    return _truth(jnp.any, self, None, False)
+
+
+@lowering("any.dim", "any.out", "any.dims", "any.dims_out")
+def any_dim(self, dim=None, keepdim=False):
+    return _truth(jnp.any, self, _dims(self, dim, empty_means_all=False), keepdim)
+
+
+@lowering("all", "all.all_out")
+def all_all(self):
+    return _truth(jnp.all, self, None, False)
+
+
+@lowering("all.dim", "all.out", "all.dims", "all.dims_out")
+def all_dim(self, dim=None, keepdim=False):
+    return _truth(jnp.all, self, _dims(self, dim, empty_means_all=False), keepdim)
+
+
+@lowering("count_nonzero", "count_nonzero.out", "count_nonzero.dim_IntList", "count_nonzero.dim_IntList_out")
+def count_nonzero(self, dim=None):
+    return jnp.sum(self != 0, axis=_dims(self, dim), dtype=jnp.int64)
+
+
+@lowering("linalg_vector_norm", "linalg_vector_norm.out", static=("ord",))
+def vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):
+    out = self.dtype if dtype is None else dtypes.to_jax(dtype)
+    if not jnp.issubdtype(self.dtype, jnp.inexact):
+        raise RuntimeError(
+            f"linalg.vector_norm: Expected a floating point or complex tensor as input. Got {_name(self.dtype)}"
+        )
+    dims = _dims(self, dim)
+    x = jnp.abs(_accumulated(self, out))
+    if ord == math.inf:
+        result = jnp.max(x, axis=dims, keepdims=keepdim)
+    elif ord == -math.inf:
+        result = jnp.min(x, axis=dims, keepdims=keepdim)
+    elif ord == 0:
+        result = jnp.sum(x != 0, axis=dims, keepdims=keepdim, dtype=x.dtype)
+    elif ord == 1:
+        result = jnp.sum(x, axis=dims, keepdims=keepdim)
+    elif ord == 2:
+        result = jnp.sqrt(jnp.sum(x * x, axis=dims, keepdims=keepdim))
+    else:
+        result = jnp.sum(x**ord, axis=dims, keepdims=keepdim) ** (1.0 / ord)
+    return result.astype(jnp.finfo(out).dtype)
+
+
+@lowering("norm.Scalar", "norm.Scalar_out", static=("p",))
+def norm(self, p=2):
+    return vector_norm(self, p)
+
+
+@lowering("norm.ScalarOpt_dtype", "norm.ScalarOpt_dtype_out", static=("p",))
+def norm_dtype(self, p, dtype):
+    return vector_norm(self, 2 if p is None else p, None, False, dtype)
+
+
+@lowering("norm.ScalarOpt_dim", "norm.out", "norm.ScalarOpt_dim_dtype", "norm.dtype_out", static=("p",))
+def norm_dim(self, p, dim, keepdim=False, dtype=None):
+    return vector_norm(self, 2 if p is None else p, dim, keepdim, dtype)
+
+
+@lowering("logsumexp", "logsumexp.out")
+def logsumexp(self, dim, keepdim=False):
+    """``max + log(sum(exp(x - max)))``, with infinite maxima left out of the shift, as torch."""
+    out = _float_result(self)
+    dims = _dims(self, dim)
+    x = self.astype(_opmath(out))
+    if self.size == 0:
+        return jnp.log(jnp.sum(jnp.exp(x), axis=dims, keepdims=keepdim)).astype(out)
+    peak = jnp.max(x, axis=dims, keepdims=True)
+    peak = jnp.where(jnp.isinf(peak), jnp.zeros((), x.dtype), peak)
+    result = jnp.log(jnp.sum(jnp.exp(x - peak), axis=dims, keepdims=True)) + peak
+    return (result if keepdim else jnp.squeeze(result, dims)).astype(out)
+
+
+def _scan(fn, self, dim, dtype):
+    out = _integral_to_long(self, dtype)
+    x = _accumulated(self, out)
+    d = _dim(self, dim)
+    return (x if d is None else fn(x, axis=d, dtype=x.dtype)).astype(out)
+
+
+@lowering("cumsum", "cumsum.out", "cumsum_")
+def cumsum(self, dim, dtype=None):
+    return _scan(jnp.cumsum, self, dim, dtype)
+
+
+@lowering("cumprod", "cumprod.out", "cumprod_")
+def cumprod(self, dim, dtype=None):
+    return _scan(jnp.cumprod, self, dim, dtype)
