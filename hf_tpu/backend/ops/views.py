@@ -24,7 +24,6 @@ _METADATA_OPS = (
     "set_.source_Storage_storage_offset",
     "set_.source_Storage",
     "set_.source_Tensor",
-    "set_.source_Tensor_storage_offset",
 )
 
 
