@@ -17,6 +17,7 @@ The same table is what graph mode lowers FX graphs with.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -185,10 +186,9 @@ def resize_output(out: torch.Tensor, shape: tuple) -> None:
 
 
 def _store(destination: torch.Tensor, value: Any, is_out: bool) -> None:
+    check_cast(value, destination)
     if is_out:
         resize_output(destination, value.shape)
-    else:
-        check_cast(value, destination)
     storage.write(destination, value)
 
 
@@ -231,7 +231,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, defaulted, views = key
+        static_values, defaulted, views, _ = key
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
             slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
         ]
@@ -279,7 +279,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 elif value is not None:
                     value = _scalar_array(value)
                 dynamic.append(value)
-        key = (tuple([_frozen(bound[index]) for _, index in static_slots]), tuple(defaulted), tuple(reader.views))
+        key = (
+            tuple([_frozen(bound[index]) for _, index in static_slots]),
+            tuple(defaulted),
+            tuple(reader.views),
+            torch.get_default_dtype(),  # type promotion of Python floats depends on it
+        )
         fn = jitted.get(key) or compile_for(key)
         try:
             result = fn(*dynamic)
@@ -323,26 +328,34 @@ class Table:
     """Installs the op table as PrivateUse1 kernels, once, on first use of the device."""
 
     def __init__(self) -> None:
-        self.library: torch.library.Library | None = None
-        self.installed: set[str] = set()
+        self.installed: frozenset[str] = frozenset()
+        self._libraries: dict[str, torch.library.Library] = {}
+        self._lock = threading.Lock()
 
     def install(self) -> None:
-        if self.library is not None:
+        if self._libraries:
             return
-        from . import ops  # noqa: F401  (importing the op modules fills LOWERINGS and CUSTOM_KERNELS)
+        with self._lock:  # transformers loads weights from several threads at once
+            if self._libraries:
+                return
+            from . import ops  # noqa: F401  (importing the op modules fills LOWERINGS and CUSTOM_KERNELS)
 
-        self.library = torch.library.Library("aten", "IMPL")
-        libraries: dict[str, torch.library.Library] = {"aten": self.library}
-        for name, fn in list(CUSTOM_KERNELS.items()) + [
-            (name, build_kernel(resolve(name), entry)) for name, entry in LOWERINGS.items()
-        ]:
-            op = resolve(name)
-            namespace = op.namespace
-            if namespace not in libraries:
-                libraries[namespace] = torch.library.Library(namespace, "IMPL")
-            libraries[namespace].impl(op, fn, "PrivateUse1")
-            self.installed.add(op.name())
-        self._extra_libraries = libraries
+            libraries: dict[str, torch.library.Library] = {}
+            installed = set()
+            kernels = list(CUSTOM_KERNELS.items()) + [
+                (name, build_kernel(resolve(name), entry)) for name, entry in LOWERINGS.items()
+            ]
+            for name, fn in kernels:
+                op = resolve(name)
+                if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+                    # A backend kernel would replace the decomposition under autograd and lose gradients.
+                    raise RuntimeError(f"{op.name()} is CompositeImplicitAutograd: lower what it decomposes into")
+                if op.namespace not in libraries:
+                    libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
+                libraries[op.namespace].impl(op, fn, "PrivateUse1")
+                installed.add(op.name())
+            self.installed = frozenset(installed)
+            self._libraries = libraries
 
 
 TABLE = Table()

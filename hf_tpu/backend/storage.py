@@ -73,13 +73,8 @@ class Buffer:
             memory_stats.freed(self.device_index, self.nbytes)
 
 
-@functools.cache
-def _zeros_fn(numel: int, dtype: Any, device_index: int):
-    return jax.jit(lambda: jnp.zeros((numel,), dtype), device=runtime.device(device_index))
-
-
 def _zeros(numel: int, dtype: Any, device_index: int) -> Any:
-    return _zeros_fn(numel, dtype, device_index)()
+    return jnp.zeros((numel,), dtype, device=runtime.device(device_index))
 
 
 def _new_address(nbytes: int) -> int:

@@ -255,11 +255,6 @@ def nan_to_num(self, nan=None, posinf=None, neginf=None):
 # --- predicates ---------------------------------------------------------------------------------
 
 
-@lowering("isfinite")
-def isfinite(self):
-    return jnp.isfinite(self) if _is_float(self) else jnp.ones(self.shape, jnp.bool_)
-
-
 def _float_predicate(fn):
     def lower(self):
         return fn(self) if _is_float(self) else jnp.zeros(self.shape, jnp.bool_)
