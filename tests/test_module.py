@@ -57,6 +57,17 @@ def test_move_to_tpu_and_back_keeps_parameters_and_ties(move):
         torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=name)
 
 
+def test_parameter_and_grad_attributes_survive_moves():
+    model = nn.Linear(3, 2)
+    model.weight._is_hf_initialized = True
+    model.weight.grad = torch.zeros(2, 3)
+    model.weight.grad.marker = "grad"
+    for move in (lambda m: m.to("tpu"), lambda m: m.half(), lambda m: m.cpu()):
+        move(model)
+        assert model.weight._is_hf_initialized is True
+        assert model.weight.grad.marker == "grad"
+
+
 def test_cpu_method_and_dtype_changes_on_device_keep_ties():
     model = TiedModel().tpu()
     parameters = dict(model.named_parameters())

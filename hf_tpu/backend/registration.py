@@ -131,10 +131,23 @@ def _holds_tpu_tensors(module: torch.nn.Module) -> bool:
 def _swap_params_on_conversion():
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
+    torch.utils.swap_tensors = _swap_keeping_attributes
     try:
         yield
     finally:
+        torch.utils.swap_tensors = _swap_tensors
         torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+_swap_tensors = torch.utils.swap_tensors
+
+
+def _swap_keeping_attributes(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``Module._apply`` swaps each parameter with a fresh Parameter holding the moved data, which would
+    drop the parameter's Python attributes (``param.data = ...`` keeps them on CUDA): carry them over."""
+    for name, value in vars(t1).items():
+        vars(t2).setdefault(name, value)
+    _swap_tensors(t1, t2)
 
 
 def _patch_module_conversion() -> None:
