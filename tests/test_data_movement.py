@@ -302,6 +302,7 @@ def test_dataloader_with_pin_memory():
     from torch.utils.data import DataLoader, TensorDataset
 
     dataset = TensorDataset(torch.arange(12.0).reshape(6, 2), torch.arange(6))
-    batches = [(x.to("tpu", non_blocking=True), y.to("tpu")) for x, y in DataLoader(dataset, batch_size=4, pin_memory=True)]
+    loader = DataLoader(dataset, batch_size=4, pin_memory=True)
+    batches = [(x.to("tpu", non_blocking=True), y.to("tpu")) for x, y in loader]
     assert [len(y) for _, y in batches] == [4, 2]
     torch.testing.assert_close(torch.cat([x.cpu() for x, _ in batches]), torch.arange(12.0).reshape(6, 2))

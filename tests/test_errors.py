@@ -9,7 +9,9 @@ import torch
 
 from conftest import assert_same
 
-MIXED_DEVICES = re.escape("Expected all tensors to be on the same device, but found at least two devices, tpu:0 and cpu!")
+MIXED_DEVICES = re.escape(
+    "Expected all tensors to be on the same device, but found at least two devices, tpu:0 and cpu!"
+)
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,9 @@ def _index(device: Any = None) -> int:
         index = current_device() if device.index is None else device.index
     count = device_count()
     if not 0 <= index < count:
-        raise RuntimeError(f"Invalid device index tpu:{index}: there {'is' if count == 1 else 'are'} {count} tpu device(s).")
+        raise RuntimeError(
+            f"Invalid device index tpu:{index}: there {'is' if count == 1 else 'are'} {count} tpu device(s)."
+        )
     return index
 
 

@@ -186,7 +186,10 @@ _astype_cache: dict[Any, Any] = {}
 def _astype(dtype: Any):
     fn = _astype_cache.get(dtype)
     if fn is None:
-        fn = _astype_cache[dtype] = jax.jit(lambda x: x.real.astype(dtype) if jnp.iscomplexobj(x) and not jnp.issubdtype(dtype, jnp.complexfloating) else x.astype(dtype))
+        to_real = not jnp.issubdtype(dtype, jnp.complexfloating)
+        fn = _astype_cache[dtype] = jax.jit(
+            lambda x: (x.real if to_real and jnp.iscomplexobj(x) else x).astype(dtype)
+        )
     return fn
 
 
