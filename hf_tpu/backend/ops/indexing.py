@@ -111,7 +111,7 @@ def index_put_(self, indices, values, accumulate=False, unsafe=False):
         mask = indices[present[0]].bool()
         before = present[0]
         after = self.dim() - before - mask.dim()
-        return self.masked_fill_(mask.view((1,) * before + tuple(mask.shape) + (1,) * after), values.reshape(()))
+        return self.masked_fill_(mask.reshape((1,) * before + tuple(mask.shape) + (1,) * after), values.reshape(()))
     result = torch.ops.aten._unsafe_index_put(self, _integer_indices(indices), values.to(self.device), accumulate)
     storage.write(self, storage.read(result))
     return self

@@ -176,7 +176,7 @@ def silu(self):
     return (x * jax.nn.sigmoid(x)).astype(self.dtype)
 
 
-@lowering("silu_backward", "silu_backward.grad_input")
+@lowering("silu_backward.grad_input")
 def silu_backward(grad_output, self):
     x, grad = _upcast(self), _upcast(grad_output)
     sigmoid = jax.nn.sigmoid(x)
@@ -281,9 +281,10 @@ def native_dropout_backward(grad_output, mask, scale):
 
 @jax.jit
 def _dropout(parts, input, keep):
-    mask = jax.random.bernoulli(random.key(parts), keep, input.shape)
     x = _upcast(input)
-    scale = jnp.where(keep == 0, 0, 1 / keep).astype(x.dtype)
+    keep = jnp.asarray(keep, x.dtype)
+    mask = jax.random.bernoulli(random.key(parts), keep, input.shape)
+    scale = jnp.where(keep == 0, jnp.zeros((), x.dtype), 1 / keep)
     return (x * mask.astype(x.dtype) * scale).astype(input.dtype), mask
 
 

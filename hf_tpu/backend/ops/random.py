@@ -31,7 +31,7 @@ def key_parts(device_index: int, generator: torch.Generator | None = None):
 
 
 def key(parts):
-    """The JAX key of ``key_parts`` (call inside jit)."""
+    """The JAX key of ``key_parts`` (call inside jit); streams repeat after 2**32 ops per seed."""
     return jax.random.fold_in(jax.random.key(parts[0]), parts[1].astype(jnp.uint32))
 
 
@@ -183,7 +183,7 @@ def random_to_(self, to, generator=None):
 
 @jax.jit
 def _poisson(parts, rates):
-    samples = jax.random.poisson(key(parts), rates.astype(_sample_dtype(rates.dtype)), rates.shape)
+    samples = jax.random.poisson(key(parts), rates.astype(_sample_dtype(rates.dtype)), rates.shape, jnp.int64)
     return samples.astype(rates.dtype)
 
 
