@@ -230,6 +230,7 @@ def test_factories():
     assert_same(torch.zeros(2, 3, device="tpu", dtype=torch.bfloat16), torch.zeros(2, 3, dtype=torch.bfloat16))
     assert_same(torch.ones(4, device="tpu"), torch.ones(4))
     assert_same(torch.scalar_tensor(3, device="tpu"), torch.scalar_tensor(3))
+    assert_same(torch._efficientzerotensor((2, 3), device="tpu"), torch.zeros(2, 3))
     assert_same(torch.tensor(2.5).to("tpu").new_full((2,), 4), torch.tensor(2.5).new_full((2,), 4))
 
 
