@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import torch
 
-from . import dtypes, storage
+from . import device_module, dtypes, runtime, storage
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
 _REQUIRED = object()
@@ -36,21 +36,25 @@ class Lowering:
     fn: Callable[..., Any]
     static: frozenset[str] = frozenset()
     names: list[str] = field(default_factory=list)
+    writes_overlapping: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
 CUSTOM_KERNELS: dict[str, Callable[..., Any]] = {}
 
 
-def lowering(*names: str, static: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+def lowering(
+    *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False
+) -> Callable[[Callable], Callable]:
     """Registers a JAX lowering for ATen overloads (``"add.Tensor"``; namespace ``aten`` unless given).
 
     ``static`` names Scalar parameters whose value must be known at trace time (e.g. ``arange``'s
-    bounds, which decide the output shape).
+    bounds, which decide the output shape). ``writes_overlapping`` lets the in-place form write
+    through views whose elements share memory (``expand``), as CPU allows for ``fill_``/``zero_``.
     """
 
     def register(fn: Callable) -> Callable:
-        entry = Lowering(fn, frozenset(static), list(names))
+        entry = Lowering(fn, frozenset(static), list(names), writes_overlapping)
         for name in names:
             LOWERINGS[name] = entry
         return fn
@@ -90,6 +94,23 @@ def _kind(argument: torch._C.Argument, static: frozenset[str]) -> int:
     return _STATIC
 
 
+# c10::ScalarType's numbering: schema defaults such as `ScalarType dtype=long` arrive as these integers.
+_SCALAR_TYPES = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+    6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
+    15: torch.bfloat16,
+}
+
+
+def _default(argument: torch._C.Argument) -> Any:
+    if not argument.has_default_value():
+        return _REQUIRED
+    value = argument.default_value
+    if isinstance(value, int) and "ScalarType" in str(argument.type):
+        return _SCALAR_TYPES[value]
+    return value
+
+
 def _frozen(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
@@ -117,7 +138,7 @@ class _Inputs:
 
     def read(self, tensor: torch.Tensor, position: tuple[int, int]) -> Any:
         try:
-            buffer = tensor.untyped_storage()._hf_buffer
+            buffer = storage.buffer_of(tensor)
         except AttributeError:
             return self._foreign(tensor)
         if self.device_index is None:
@@ -185,7 +206,17 @@ def resize_output(out: torch.Tensor, shape: tuple) -> None:
         out.resize_(shape)
 
 
-def _store(destination: torch.Tensor, value: Any, is_out: bool) -> None:
+def check_no_internal_overlap(destination: torch.Tensor) -> None:
+    if 0 in destination.stride() and torch._debug_has_internal_overlap(destination) == 1:
+        raise RuntimeError(
+            "unsupported operation: more than one element of the written-to tensor refers to a single "
+            "memory location. Please clone() the tensor before performing the operation."
+        )
+
+
+def _store(destination: torch.Tensor, value: Any, is_out: bool, overlap_ok: bool) -> None:
+    if not overlap_ok:
+        check_no_internal_overlap(destination)
     check_cast(value, destination)
     if is_out:
         resize_output(destination, value.shape)
@@ -210,7 +241,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     schema = op._schema
     arguments = list(schema.arguments)
     names = [a.name for a in arguments]
-    defaults = [a.default_value if a.has_default_value() else _REQUIRED for a in arguments]
+    defaults = [_default(a) for a in arguments]
     written = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
     is_out = [w and a.kwarg_only for w, a in zip(written, arguments)]
     inputs = [i for i in range(len(arguments)) if not is_out[i]]
@@ -225,6 +256,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     returns_list = bool(returns) and str(returns[0].type).startswith("List")
     position = {name: i for i, name in enumerate(names)}
     lowering_fn = entry.fn
+    overlap_ok = entry.writes_overlapping
     jitted: dict[tuple, Callable] = {}
     n_inputs = len(inputs)
 
@@ -249,7 +281,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 call[slot] = value
             return lowering_fn(*call)
 
-        fn = jitted[key] = jax.jit(traced)
+        fn = jitted[key] = jax.jit(traced, keep_unused=True)  # unused inputs still pin the chip
         return fn
 
     def run(*args, **kwargs):
@@ -295,33 +327,36 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             outs = [bound[i] for i in destinations]
             if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # foreach in-place: list of tensors
                 for tensor, value in zip(outs[0], result):
-                    _store(tensor, value, False)
+                    _store(tensor, value, False, overlap_ok)
             else:
                 values = result if isinstance(result, (tuple, list)) and len(outs) > 1 else (result,)
                 for i, tensor, value in zip(destinations, outs, values):
-                    _store(tensor, value, is_out[i])
+                    _store(tensor, value, is_out[i], overlap_ok)
             if not returns:
                 return None
             if returns_written:
                 return outs[0] if len(outs) == 1 else tuple(outs)
 
         device_index = reader.device_index
-        if device_index is None:
-            device_index = _device_index(bound[device_arg] if device_arg is not None else None)
+        if device_index is None:  # a factory: the result goes to the chip its `device` names
+            device_index = device_module._index(bound[device_arg] if device_arg is not None else None)
+            if device_index:
+                result = jax.device_put(result, runtime.device(device_index))
         if isinstance(result, (tuple, list)):
-            wrapped = [storage.wrap(r, dtypes.to_torch(r.dtype), device_index) for r in result]
+            wrapped = [_wrap(r, device_index) for r in result]
             return wrapped if returns_list else tuple(wrapped)
-        return storage.wrap(result, dtypes.to_torch(result.dtype), device_index)
+        return _wrap(result, device_index)
 
     run.__name__ = f"tpu_{op.__name__}"
     return run
 
 
-def _device_index(device: Any) -> int:
-    if device is None:
-        return 0
-    index = torch.device(device).index
-    return 0 if index is None else index
+def _wrap(array: Any, device_index: int) -> torch.Tensor | None:
+    """A new tpu tensor owning ``array``; ``None`` (an output left out, e.g. by ``output_mask``) stays
+    ``None``, which torch receives as an undefined tensor."""
+    if array is None:
+        return None
+    return storage.wrap(array, dtypes.to_torch(array.dtype), device_index)
 
 
 class Table:

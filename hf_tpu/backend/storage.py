@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from typing import Any
 
 import jax
@@ -44,7 +45,7 @@ class Buffer:
     in any shape whose size is ``numel``; it is ``None`` until first written (lazy ``empty``).
     """
 
-    __slots__ = ("array", "dtype", "numel", "device_index", "nbytes", "__weakref__")
+    __slots__ = ("array", "dtype", "numel", "device_index", "nbytes", "address", "__weakref__")
 
     def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int) -> None:
         self.array = array
@@ -52,6 +53,7 @@ class Buffer:
         self.numel = numel
         self.device_index = device_index
         self.nbytes = numel * dtype.itemsize
+        self.address = 0
         if array is not None:
             memory_stats.allocated(device_index, self.nbytes)
             _latest[device_index] = array
@@ -69,6 +71,7 @@ class Buffer:
         _latest[self.device_index] = array
 
     def __del__(self) -> None:
+        _by_address.pop(self.address, None)
         if self.array is not None:
             memory_stats.freed(self.device_index, self.nbytes)
 
@@ -102,7 +105,7 @@ def wrap(array: Any, dtype: torch.dtype, device_index: int = 0) -> torch.Tensor:
     shape = array.shape
     numel = array.size
     tensor = _tensor_on_new_storage(shape, dtype, device_index, numel * dtype.itemsize)
-    tensor.untyped_storage()._hf_buffer = Buffer(array, dtype, numel, device_index)
+    _attach(tensor, Buffer(array, dtype, numel, device_index))
     return tensor
 
 
@@ -114,12 +117,34 @@ def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torc
     else:
         numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
     tensor = _tensor_on_new_storage(shape, dtype, device_index, numel * dtype.itemsize, stride)
-    tensor.untyped_storage()._hf_buffer = Buffer(None, dtype, numel, device_index)
+    _attach(tensor, Buffer(None, dtype, numel, device_index))
     return tensor
 
 
+# Address -> buffer, for storages torch re-creates around an existing address (e.g. when
+# unpickling or through from_blob) whose Python object does not carry the buffer yet.
+_by_address: dict[int, weakref.ref] = {}
+
+
+def _attach(tensor: torch.Tensor, buffer: Buffer) -> None:
+    untyped = tensor.untyped_storage()
+    untyped._hf_buffer = buffer
+    buffer.address = untyped.data_ptr()
+    _by_address[buffer.address] = weakref.ref(buffer)
+
+
 def buffer_of(tensor: torch.Tensor) -> Buffer:
-    return tensor.untyped_storage()._hf_buffer
+    """The device buffer behind a tpu tensor's storage (AttributeError if it has none)."""
+    untyped = tensor.untyped_storage()
+    try:
+        return untyped._hf_buffer
+    except AttributeError:
+        reference = _by_address.get(untyped.data_ptr())
+        buffer = reference() if reference is not None else None
+        if buffer is None or untyped.device.type != "tpu":
+            raise
+        untyped._hf_buffer = buffer
+        return buffer
 
 
 def is_whole(tensor: torch.Tensor, buffer: Buffer) -> bool:
@@ -144,7 +169,7 @@ def view_of(array: Any, geometry: tuple) -> Any:
 
 def read(tensor: torch.Tensor) -> Any:
     """The tensor's values as a JAX array of its shape and dtype."""
-    buffer = tensor.untyped_storage()._hf_buffer
+    buffer = buffer_of(tensor)
     array = buffer.array
     if array is None:
         array = buffer.materialize()
@@ -155,7 +180,7 @@ def read(tensor: torch.Tensor) -> Any:
 
 def write(tensor: torch.Tensor, value: Any) -> None:
     """Sets the tensor's elements (through its view onto the storage) to ``value``, cast to its dtype."""
-    buffer = tensor.untyped_storage()._hf_buffer
+    buffer = buffer_of(tensor)
     if is_whole(tensor, buffer):
         target = dtypes.to_jax(tensor.dtype)
         if value.dtype != target or value.shape != tensor.shape:
@@ -170,17 +195,39 @@ def _cast_to(shape: tuple, dtype: Any):
     return jax.jit(lambda value: jnp.broadcast_to(value.astype(dtype), shape))
 
 
+def _as_bits(flat: Any) -> Any:
+    """Bool and complex arrays as the plain numbers with the same bytes (uint8; float pairs)."""
+    if flat.dtype == jnp.bool_:
+        return flat.astype(jnp.uint8)
+    if jnp.iscomplexobj(flat):
+        return jnp.stack([flat.real, flat.imag], axis=-1).reshape(-1)
+    return flat
+
+
+def _bits_dtype(dtype: Any) -> Any:
+    if dtype == jnp.bool_:
+        return jnp.dtype(jnp.uint8)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.dtype(jnp.float32 if dtype == jnp.complex64 else jnp.float64)
+    return dtype
+
+
 def _reinterpret(flat: Any, dtype: Any) -> Any:
-    """The bytes of ``flat`` seen as ``dtype`` (``Tensor.view(dtype)`` of a storage)."""
+    """The bytes of a 1-D array seen as ``dtype`` (``Tensor.view(dtype)``, ``storage`` byte access)."""
     if flat.dtype == dtype:
         return flat
-    if flat.dtype.itemsize != dtype.itemsize:
-        raise NotImplementedError(
-            f"reading a {flat.dtype} tpu storage as {dtype} (different element sizes) is not supported"
-        )
-    if flat.dtype == jnp.bool_ or dtype == jnp.bool_:
-        return flat.astype(dtype) if dtype == jnp.bool_ else flat.view(dtype)
-    return jax.lax.bitcast_convert_type(flat, dtype)
+    bits, target = _as_bits(flat), _bits_dtype(dtype)
+    if bits.dtype != target:
+        ratio = bits.dtype.itemsize / target.itemsize
+        if ratio < 1:  # narrow -> wide: groups of 1/ratio elements become one
+            bits = bits.reshape(-1, round(1 / ratio))
+        bits = jax.lax.bitcast_convert_type(bits, target).reshape(-1)
+    if dtype == jnp.bool_:
+        return bits != 0
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pairs = bits.reshape(-1, 2)
+        return jax.lax.complex(pairs[:, 0], pairs[:, 1])
+    return bits
 
 
 @functools.cache

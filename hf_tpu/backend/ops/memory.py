@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import device_module, dtypes, runtime, storage
-from ..dispatch import device_mismatch, kernel, lowering
+from ..dispatch import check_no_internal_overlap, device_mismatch, kernel, lowering
 
 
 def _index(device: Any) -> int:
@@ -82,22 +82,13 @@ def _device_index_of(tensor: torch.Tensor) -> int:
     return storage.buffer_of(tensor).device_index
 
 
-def _check_no_internal_overlap(tensor: torch.Tensor) -> None:
-    """As on CPU: a copy may not write through a view whose elements share memory (``expand``)."""
-    if 0 in tensor.stride() and torch._debug_has_internal_overlap(tensor) == 1:
-        raise RuntimeError(
-            "unsupported operation: more than one element of the written-to tensor refers to a single "
-            "memory location. Please clone() the tensor before performing the operation."
-        )
-
-
 @kernel("copy_")
 def copy_(self, src, non_blocking=False):
     if self.device.type != "tpu":
         if self.device.type != "cpu":
             raise device_mismatch(src.device, self.device)
         return self.copy_(to_host(src), non_blocking)
-    _check_no_internal_overlap(self)
+    check_no_internal_overlap(self)
     index = _device_index_of(self)
     if src.device.type == "tpu":
         value = storage.read(src)
@@ -218,18 +209,18 @@ def resize_(self, size, memory_format=None):
     return self
 
 
-@lowering("fill_.Scalar", "fill.Scalar")
+@lowering("fill_.Scalar", "fill.Scalar", writes_overlapping=True)
 def fill(self, value):
     return jnp.full(self.shape, value, self.dtype)
 
 
-@lowering("fill_.Tensor", "fill.Tensor")
+@lowering("fill_.Tensor", "fill.Tensor", writes_overlapping=True)
 def fill_tensor(self, value):
     if value.ndim:
         raise RuntimeError(f"fill_ only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
     return jnp.broadcast_to(value.astype(self.dtype), self.shape)
 
 
-@lowering("zero_", "zero")
+@lowering("zero_", "zero", writes_overlapping=True)
 def zero(self):
     return jnp.zeros(self.shape, self.dtype)
