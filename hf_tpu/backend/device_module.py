@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import memory_stats as _stats
+from . import allocator as _stats
 from . import random_state, runtime
 
 _local = threading.local()

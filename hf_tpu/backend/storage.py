@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 import weakref
 from typing import Any
 
@@ -19,11 +18,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import dlpack_alloc, dtypes, memory_stats, runtime, strided
+from . import allocator, dlpack_alloc, dtypes, runtime, strided
 
-_ALIGNMENT = 256
-_address_lock = threading.Lock()
-_next_address = 1 << 44
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
 _CHIP_0 = torch.device("tpu", 0)
@@ -53,9 +49,8 @@ class Buffer:
         self.numel = numel
         self.device_index = device_index
         self.nbytes = numel * dtype.itemsize
-        self.address = 0
+        self.address = allocator.new_address(self.nbytes, device_index, array is not None)
         if array is not None:
-            memory_stats.allocated(device_index, self.nbytes)
             _latest[device_index] = array
 
     def materialize(self) -> Any:
@@ -66,47 +61,39 @@ class Buffer:
 
     def set(self, array: Any) -> None:
         if self.array is None:
-            memory_stats.allocated(self.device_index, self.nbytes)
+            allocator.allocated(self.device_index, self.nbytes)
         self.array = array
         _latest[self.device_index] = array
 
     def __del__(self) -> None:
         _by_address.pop(self.address, None)
         if self.array is not None:
-            memory_stats.freed(self.device_index, self.nbytes)
+            allocator.freed(self.device_index, self.nbytes)
 
 
 def _zeros(numel: int, dtype: Any, device_index: int) -> Any:
     return jnp.zeros((numel,), dtype, device=runtime.device(device_index))
 
 
-def _new_address(nbytes: int) -> int:
-    """A fresh, never reused fake address range of ``nbytes`` (data_ptr identity, as on CUDA)."""
-    global _next_address
-    with _address_lock:
-        address = _next_address
-        _next_address += -(-max(nbytes, 1) // _ALIGNMENT) * _ALIGNMENT
-    return address
-
-
-def _tensor_on_new_storage(shape, dtype, device_index, nbytes, stride=None) -> torch.Tensor:
-    address = _new_address(nbytes)
-    if device_index == 0 and stride is None:  # the fast path: contiguous on chip 0
-        tensor = _create_empty(shape, dtype)
-        tensor.untyped_storage()._swap_data_ptr_(_storage_at(address, _CHIP_0, nbytes))
-        return tensor
-    if stride is None:
-        stride = torch._prims_common.make_contiguous_strides_for(shape)
-    return dlpack_alloc.tensor_at(address, tuple(shape), tuple(stride), dtype, device_index)
+def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
+    """A tpu tensor on a new storage at ``buffer``'s address, carrying ``buffer``."""
+    if buffer.device_index == 0 and stride is None:  # the fast path: contiguous on chip 0
+        tensor = _create_empty(shape, buffer.dtype)
+        untyped = tensor.untyped_storage()
+        untyped._swap_data_ptr_(_storage_at(buffer.address, _CHIP_0, buffer.nbytes))
+    else:
+        if stride is None:
+            stride = torch._prims_common.make_contiguous_strides_for(shape)
+        tensor = dlpack_alloc.tensor_at(buffer.address, tuple(shape), tuple(stride), buffer.dtype, buffer.device_index)
+        untyped = tensor.untyped_storage()
+    untyped._hf_buffer = buffer
+    _by_address[buffer.address] = weakref.ref(buffer)
+    return tensor
 
 
 def wrap(array: Any, dtype: torch.dtype, device_index: int = 0) -> torch.Tensor:
     """A new tpu tensor that owns ``array`` (whose dtype must be ``dtypes.to_jax(dtype)``)."""
-    shape = array.shape
-    numel = array.size
-    tensor = _tensor_on_new_storage(shape, dtype, device_index, numel * dtype.itemsize)
-    _attach(tensor, Buffer(array, dtype, numel, device_index))
-    return tensor
+    return _new_tensor(Buffer(array, dtype, array.size, device_index), array.shape)
 
 
 def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torch.Tensor:
@@ -116,21 +103,12 @@ def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torc
         stride, numel = None, math.prod(shape)
     else:
         numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-    tensor = _tensor_on_new_storage(shape, dtype, device_index, numel * dtype.itemsize, stride)
-    _attach(tensor, Buffer(None, dtype, numel, device_index))
-    return tensor
+    return _new_tensor(Buffer(None, dtype, numel, device_index), shape, stride)
 
 
 # Address -> buffer, for storages torch re-creates around an existing address (e.g. when
 # unpickling or through from_blob) whose Python object does not carry the buffer yet.
 _by_address: dict[int, weakref.ref] = {}
-
-
-def _attach(tensor: torch.Tensor, buffer: Buffer) -> None:
-    untyped = tensor.untyped_storage()
-    untyped._hf_buffer = buffer
-    buffer.address = untyped.data_ptr()
-    _by_address[buffer.address] = weakref.ref(buffer)
 
 
 def buffer_of(tensor: torch.Tensor) -> Buffer:

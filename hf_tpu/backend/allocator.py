@@ -1,23 +1,45 @@
-"""Byte counts of live device buffers, per device: what ``torch.tpu.memory_allocated`` reports."""
+"""Bookkeeping of device memory: fake storage addresses and live byte counts per chip.
+
+Every tpu storage gets a fresh, never reused address range (so ``data_ptr()`` identifies storages
+as on CUDA); its bytes count as allocated from the moment its buffer holds an array until it dies.
+These counts are what ``torch.tpu.memory_allocated`` and friends report.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
 
+_ALIGNMENT = 256
 _lock = threading.Lock()
+_next_address = 1 << 44
 _current: defaultdict[int, int] = defaultdict(int)
 _peak: defaultdict[int, int] = defaultdict(int)
 _allocations: defaultdict[int, int] = defaultdict(int)
 _frees: defaultdict[int, int] = defaultdict(int)
 
 
+def new_address(nbytes: int, device_index: int, materialized: bool) -> int:
+    """A fresh address range for a new storage; counts its bytes now if it already holds data."""
+    global _next_address
+    with _lock:
+        address = _next_address
+        _next_address += -(-max(nbytes, 1) // _ALIGNMENT) * _ALIGNMENT
+        if materialized:
+            _count(device_index, nbytes)
+    return address
+
+
 def allocated(device_index: int, nbytes: int) -> None:
     with _lock:
-        _current[device_index] += nbytes
-        _allocations[device_index] += 1
-        if _current[device_index] > _peak[device_index]:
-            _peak[device_index] = _current[device_index]
+        _count(device_index, nbytes)
+
+
+def _count(device_index: int, nbytes: int) -> None:
+    current = _current[device_index] = _current[device_index] + nbytes
+    _allocations[device_index] += 1
+    if current > _peak[device_index]:
+        _peak[device_index] = current
 
 
 def freed(device_index: int, nbytes: int) -> None:
