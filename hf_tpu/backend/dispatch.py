@@ -12,17 +12,17 @@ built from the schema reads tensor arguments from device storage, calls the lowe
 ``jax.jit`` cached per static arguments (JAX caches per shape and dtype), and then either wraps the
 results in new tpu tensors or writes them into the mutated arguments (``self`` of ``add_``, ``out``).
 Tensor and Scalar arguments are traced; every other argument (dims, dtypes, flags) is static.
-The same table is what graph mode lowers FX graphs with.
+Lowerings are plain JAX functions so that graph mode can lower whole FX graphs with this same table.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import torch
 
 from . import device_module, dtypes, runtime, storage
@@ -35,7 +35,6 @@ _REQUIRED = object()
 class Lowering:
     fn: Callable[..., Any]
     static: frozenset[str] = frozenset()
-    names: list[str] = field(default_factory=list)
     writes_overlapping: bool = False
 
 
@@ -54,7 +53,7 @@ def lowering(
     """
 
     def register(fn: Callable) -> Callable:
-        entry = Lowering(fn, frozenset(static), list(names), writes_overlapping)
+        entry = Lowering(fn, frozenset(static), writes_overlapping)
         for name in names:
             LOWERINGS[name] = entry
         return fn
@@ -94,20 +93,12 @@ def _kind(argument: torch._C.Argument, static: frozenset[str]) -> int:
     return _STATIC
 
 
-# c10::ScalarType's numbering: schema defaults such as `ScalarType dtype=long` arrive as these integers.
-_SCALAR_TYPES = {
-    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
-    6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
-    15: torch.bfloat16,
-}
-
-
 def _default(argument: torch._C.Argument) -> Any:
     if not argument.has_default_value():
         return _REQUIRED
     value = argument.default_value
     if isinstance(value, int) and "ScalarType" in str(argument.type):
-        return _SCALAR_TYPES[value]
+        return dtypes.from_scalar_type_code(value)
     return value
 
 
@@ -158,9 +149,8 @@ class _Inputs:
         # Like CUDA, a zero-dim CPU tensor may join a device op as a scalar operand.
         if tensor.device.type == "cpu" and tensor.dim() == 0:
             host = tensor.detach().resolve_conj().resolve_neg()
-            return np.asarray(host.view(torch.int16).numpy() if host.dtype == torch.bfloat16 else host.numpy()).view(
-                dtypes.host_numpy_dtype(host.dtype)
-            )
+            bits = host.view(torch.int16) if host.dtype == torch.bfloat16 else host
+            return bits.numpy().view(dtypes.host_numpy_dtype(host.dtype))
         raise device_mismatch(f"tpu:{self.device_index or 0}", tensor.device)
 
     def read_list(self, tensors: list, slot: int) -> tuple:
@@ -183,21 +173,15 @@ def _apply_views(values: tuple, views: tuple) -> list:
 def check_cast(value: Any, destination: torch.Tensor) -> None:
     result = dtypes.to_torch(value.dtype)
     if result != destination.dtype and not torch.can_cast(result, destination.dtype):
-        raise RuntimeError(f"result type {_type_name(result)} can't be cast to the desired output type {_type_name(destination.dtype)}")
-
-
-def _type_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-            torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
-            torch.uint8: "Byte", torch.bool: "Bool", torch.complex64: "ComplexFloat",
-            torch.complex128: "ComplexDouble"}.get(dtype, str(dtype))
+        raise RuntimeError(
+            f"result type {dtypes.type_name(result)} can't be cast to the desired output type "
+            f"{dtypes.type_name(destination.dtype)}"
+        )
 
 
 def resize_output(out: torch.Tensor, shape: tuple) -> None:
     if tuple(out.shape) != tuple(shape):
         if out.numel():
-            import warnings
-
             warnings.warn(
                 f"An output with one or more elements was resized since it had shape {list(out.shape)}, which does not "
                 f"match the required output shape {list(shape)}. This behavior is deprecated.",
@@ -246,7 +230,9 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     is_out = [w and a.kwarg_only for w, a in zip(written, arguments)]
     inputs = [i for i in range(len(arguments)) if not is_out[i]]
     kinds = [_kind(arguments[i], entry.static) for i in inputs]
-    tensor_slots = [(slot, inputs[slot], kind) for slot, kind in enumerate(kinds) if kind in (_TENSOR, _OPT_TENSOR, _TENSOR_LIST)]
+    tensor_slots = [
+        (slot, inputs[slot], kind) for slot, kind in enumerate(kinds) if kind in (_TENSOR, _OPT_TENSOR, _TENSOR_LIST)
+    ]
     scalar_slots = [(slot, inputs[slot], defaults[inputs[slot]]) for slot, kind in enumerate(kinds) if kind == _SCALAR]
     static_slots = [(slot, inputs[slot]) for slot, kind in enumerate(kinds) if kind == _STATIC]
     destinations = [i for i in range(len(arguments)) if written[i]]

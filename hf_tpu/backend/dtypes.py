@@ -57,6 +57,28 @@ def to_torch(jax_dtype: Any) -> torch.dtype:
     raise TypeError(f"JAX dtype {name} has no torch equivalent")
 
 
+# c10::ScalarType's numbering: schema defaults such as `ScalarType dtype=long` arrive as these codes.
+_SCALAR_TYPE_CODES = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+    6: torch.float32, 7: torch.float64, 9: torch.complex64, 10: torch.complex128, 11: torch.bool,
+    15: torch.bfloat16,
+}
+_TYPE_NAMES = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+
+
+def from_scalar_type_code(code: int) -> torch.dtype:
+    return _SCALAR_TYPE_CODES[code]
+
+
+def type_name(dtype: torch.dtype) -> str:
+    """The name torch's error messages use for a dtype ("Float", "Long", ...)."""
+    return _TYPE_NAMES.get(dtype, str(dtype))
+
+
 def host_numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype with the same bytes as a torch dtype (for host transfers)."""
     import ml_dtypes  # noqa: F401

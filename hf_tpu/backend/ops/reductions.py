@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import dtypes
-from ..dispatch import _type_name, lowering
+from ..dispatch import lowering
 from .pointwise import _float_result, _opmath
 
 
 def _name(dtype) -> str:
     """torch's name for a dtype in messages ("Long", "Float")."""
-    return _type_name(dtypes.to_torch(dtype))
+    return dtypes.type_name(dtypes.to_torch(dtype))
 
 
 def _dims(self, dim, empty_means_all=True) -> tuple[int, ...]:
