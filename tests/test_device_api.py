@@ -241,6 +241,11 @@ try:
     torch.ones(2, device="tpu:0") + torch.ones(2, device="tpu:1")
 except RuntimeError as error:
     report["mixed_chips"] = str(error)
+leaf = torch.ones(2, device="tpu:1", requires_grad=True)
+try:
+    (leaf * leaf).sum().backward()
+except RuntimeError as error:
+    report["backward_on_chip_1"] = str(error)
 print(json.dumps(report))
 """
 
@@ -278,3 +283,7 @@ def test_mixing_chips_raises_like_cuda(four_chip_report):
     assert four_chip_report["mixed_chips"] == (
         "Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:1!"
     )
+
+
+def test_backward_on_other_chips_says_why_it_is_unsupported(four_chip_report):
+    assert four_chip_report["backward_on_chip_1"].startswith("backward through tensors on tpu:1 is not supported")

@@ -60,6 +60,7 @@ def register() -> None:
         _patch_module_conversion()
         _patch_storage_constructor()
         _install_host_pinning()
+        _guard_autograd_devices()
         _registered = True
 
 
@@ -86,10 +87,6 @@ def _delegating(original: Any, replacement: Any) -> Any:
     patched.__doc__ = getattr(original, "__doc__", None)
     patched.__wrapped__ = original
     return patched
-
-
-def _device_arg(device: Any = None, /) -> Any:
-    return device
 
 
 def _patch_accelerator(tpu: Any) -> None:
@@ -210,3 +207,31 @@ def _install_host_pinning() -> None:
     library = torch.library.Library("aten", "IMPL")
     library.impl("_pin_memory", pin_memory, "CPU")
     _pinning_library.append(library)
+
+
+def _check_autograd_roots(tensors: Any) -> None:
+    roots = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    for tensor in roots or ():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "tpu" and tensor.device.index:
+            raise RuntimeError(
+                f"backward through tensors on {tensor.device} is not supported: torch's Python device guard "
+                "reports a single device, so the autograd engine only runs on tpu:0. Run one process per "
+                "chip (each process's chip is then tpu:0), as TorchTPU and the Hugging Face libraries do."
+            )
+
+
+def _guard_autograd_devices() -> None:
+    """The engine would fail an internal assert on ``tpu:k`` (k > 0); say why instead."""
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+
+    def checked_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_autograd_roots(tensors)
+        return backward(tensors, *args, **kwargs)
+
+    def checked_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_autograd_roots(outputs)
+        return grad(outputs, *args, **kwargs)
+
+    checked_backward.__doc__, checked_grad.__doc__ = backward.__doc__, grad.__doc__
+    checked_backward.__wrapped__, checked_grad.__wrapped__ = backward, grad
+    torch.autograd.backward, torch.autograd.grad = checked_backward, checked_grad
