@@ -235,6 +235,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     ]
     scalar_slots = [(slot, inputs[slot], defaults[inputs[slot]]) for slot, kind in enumerate(kinds) if kind == _SCALAR]
     static_slots = [(slot, inputs[slot]) for slot, kind in enumerate(kinds) if kind == _STATIC]
+    static_indices = [index for _, index in static_slots]
     destinations = [i for i in range(len(arguments)) if written[i]]
     device_arg = names.index("device") if "device" in names else None
     returns = list(schema.returns)
@@ -284,7 +285,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 dynamic.append(None)
             else:
                 dynamic.append(reader.read(value, (len(dynamic), -1)))
-        defaulted = []
+        defaulted = [] if scalar_slots else ()
         for _, index, default in scalar_slots:
             value = bound[index]
             is_default = value is default or (type(value) is type(default) and value == default)
@@ -298,9 +299,9 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     value = _scalar_array(value)
                 dynamic.append(value)
         key = (
-            tuple([_frozen(bound[index]) for _, index in static_slots]),
+            tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else (),
             tuple(defaulted),
-            tuple(reader.views),
+            tuple(reader.views) if reader.views else (),
             torch.get_default_dtype(),  # type promotion of Python floats depends on it
         )
         fn = jitted.get(key) or compile_for(key)
