@@ -108,27 +108,25 @@ print("warned", len(messages))
     assert completed.stdout.startswith("warned")
 
 
-def test_hf_tpu_info_runs():
-    completed = subprocess.run(
-        [hf_tpu_command(), "info"],
+def run_hf_tpu(subcommand: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [hf_tpu_command(), subcommand],
         env=_environment(autoload=True),
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT,
     )
+
+
+def test_hf_tpu_info_runs():
+    completed = run_hf_tpu("info")
     assert completed.returncode == 0, completed.stderr
     assert re.search(r"^device count\s+\d+$", completed.stdout, re.MULTILINE), completed.stdout
     assert re.search(r"^torch\s+2\.", completed.stdout, re.MULTILINE), completed.stdout
 
 
 def test_hf_tpu_demo_agrees_with_cpu():
-    completed = subprocess.run(
-        [hf_tpu_command(), "demo"],
-        env=_environment(autoload=True),
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-    )
+    completed = run_hf_tpu("demo")
     assert completed.returncode == 0, f"stdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
     assert "OK: tpu and cpu agree." in completed.stdout
 
