@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,22 @@ def test_default_autocast_dtype_is_bfloat16():
     with torch.autocast("tpu"):
         assert torch.is_autocast_enabled("tpu")
         assert (_tensor(2, 3) @ _tensor(3, 4)).dtype == torch.bfloat16
+
+
+def test_default_autocast_dtype_is_bfloat16_in_every_thread():
+    results = []
+
+    def in_thread():
+        results.append(torch.get_autocast_dtype("tpu"))
+        with torch.autocast("tpu"):
+            results.append((_tensor(2, 3) @ _tensor(3, 4)).dtype)
+        with torch.autocast("tpu", dtype=torch.float16):
+            results.append((_tensor(2, 3) @ _tensor(3, 4)).dtype)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert results == [torch.bfloat16, torch.bfloat16, torch.float16]
 
 
 LOWER_PRECISION_OPS = {

@@ -10,6 +10,7 @@ The default autocast dtype is bfloat16 (TPUs' native low precision) instead of C
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import torch
@@ -155,4 +156,29 @@ def install() -> None:
             op = _resolve(name)
             library.impl(op, make(op), "AutocastPrivateUse1")
     _libraries.extend((fallthrough, library))
-    torch.set_autocast_dtype("tpu", torch.bfloat16)
+    _default_to_bfloat16()
+
+
+_chosen = threading.local()
+
+
+def _default_to_bfloat16() -> None:
+    """Makes bfloat16 the tpu autocast dtype in every thread, not just the importing one.
+
+    torch keeps the autocast dtype per thread, starting at float16 for PrivateUse1; a thread that
+    never chose one (``torch.set_autocast_dtype``, or ``torch.autocast(dtype=...)``) gets bfloat16.
+    """
+    get_dtype, set_dtype = torch.get_autocast_dtype, torch.set_autocast_dtype
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        if device_type == "tpu" and not getattr(_chosen, "tpu", False):
+            return torch.bfloat16
+        return get_dtype(device_type)
+
+    def set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
+        if device_type == "tpu":
+            _chosen.tpu = True
+        set_dtype(device_type, dtype)
+
+    get_autocast_dtype.__doc__, set_autocast_dtype.__doc__ = get_dtype.__doc__, set_dtype.__doc__
+    torch.get_autocast_dtype, torch.set_autocast_dtype = get_autocast_dtype, set_autocast_dtype
