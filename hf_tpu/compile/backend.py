@@ -1,0 +1,42 @@
+"""The ``"tpu"`` Dynamo backend: AOTAutograd, then each ATen graph lowered to one ``jax.jit``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch._decomp import decomposition_table
+from torch._dynamo.backends.common import aot_autograd
+
+from . import graph_lowering
+
+
+@functools.cache
+def _decompositions() -> dict[Any, Callable]:
+    """torch's decompositions of the ops that have no lowering, as eager mode's fallback uses them."""
+    lowered = graph_lowering.lowered_ops()
+    return {
+        op: fn
+        for op, fn in decomposition_table.items()
+        if isinstance(op, torch._ops.OpOverload) and op not in lowered
+    }
+
+
+def _lower(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    return graph_lowering.lower(graph_module)
+
+
+def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Compiles a Dynamo graph: forward and backward ATen graphs, each run as one XLA program.
+
+    Input mutations stay in the inference graph (``keep_inference_input_mutations``, e.g. a
+    StaticCache's ``index_copy_``) and are written back to the caller's tensors after each run.
+    """
+    backend = aot_autograd(
+        fw_compiler=_lower,
+        bw_compiler=_lower,
+        decompositions=_decompositions(),
+        keep_inference_input_mutations=True,
+    )
+    return backend(graph_module, example_inputs)

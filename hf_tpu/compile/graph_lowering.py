@@ -1,0 +1,221 @@
+"""Lowers an ATen FX graph (from AOTAutograd) to one cached ``jax.jit``.
+
+The jitted function interprets the graph node by node with the op table eager mode uses
+(:data:`..backend.dispatch.LOWERINGS`) and the graph-mode lowerings of :mod:`.graph_ops`. Every
+non-tensor argument of an op is a compile-time constant; Scalars the op table traces in eager mode
+(``alpha`` of ``add``) become constant arrays, so each lowering sees what it sees in eager mode.
+Integer graph inputs (symbolic sizes) are static arguments of the jit. Input mutations (``copy_``
+into a graph input) come out of the program as extra results and are written to the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch import fx
+
+from ..backend import dispatch, dtypes, runtime, storage
+from ..backend.ops.memory import to_device
+from .graph_ops import GRAPH_LOWERINGS
+from .stats import count
+
+_SCALAR_TYPES = ("number", "Optional[number]", "List[number]")
+
+
+@functools.cache
+def _eager_lowerings() -> dict[torch._ops.OpOverload, dispatch.Lowering]:
+    from ..backend import ops  # noqa: F401  (importing the op modules fills LOWERINGS)
+
+    return {dispatch.resolve(name): entry for name, entry in dispatch.LOWERINGS.items()}
+
+
+def lowered_ops() -> frozenset[torch._ops.OpOverload]:
+    """The ATen overloads graph mode can lower."""
+    return frozenset(GRAPH_LOWERINGS) | frozenset(_eager_lowerings())
+
+
+def _schema_default(argument: torch._C.Argument) -> Any:
+    value = argument.default_value
+    if isinstance(value, int) and "ScalarType" in str(argument.type):
+        return dtypes.from_scalar_type_code(value)
+    return value
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _bound_arguments(node: fx.Node) -> list[tuple[torch._C.Argument, Any]]:
+    """The node's arguments for each input of its op's schema, in order, defaults filled in."""
+    op, bound = node.target, []
+    inputs = [a for a in op._schema.arguments if not (a.kwarg_only and a.alias_info and a.alias_info.is_write)]
+    for slot, argument in enumerate(inputs):
+        if slot < len(node.args):
+            value = node.args[slot]
+        elif argument.name in node.kwargs:
+            value = node.kwargs[argument.name]
+        elif argument.has_default_value():
+            value = _schema_default(argument)
+        else:
+            raise TypeError(f"{op.name()}: missing argument {argument.name!r}")
+        bound.append((argument, _frozen(value)))
+    return bound
+
+
+def _is_traced_scalar(argument: torch._C.Argument, value: Any, static: frozenset[str]) -> bool:
+    """Whether eager mode passes this Scalar to the lowering as an array (not at its default, not static)."""
+    if argument.name in static or str(argument.type) not in _SCALAR_TYPES or value is None:
+        return False
+    if isinstance(value, fx.Node):  # a symbolic size: a Python number at trace time
+        return False
+    if not argument.has_default_value():
+        return True
+    default = _schema_default(argument)
+    return not (value is default or (type(value) is type(default) and value == default))
+
+
+class _Step:
+    """One op node: its lowering and its arguments bound to the schema's inputs, in order.
+
+    ``static`` names the parameters the lowering takes as Python values; ``None`` means all of them.
+    """
+
+    __slots__ = ("node", "fn", "arguments", "scalar_slots")
+
+    def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None) -> None:
+        bound = _bound_arguments(node)
+        self.node, self.fn = node, fn
+        self.arguments = [value for _, value in bound]
+        self.scalar_slots = [] if static is None else [
+            slot for slot, (argument, value) in enumerate(bound) if _is_traced_scalar(argument, value, static)
+        ]
+
+    def run(self, env: dict) -> Any:
+        call = [_materialize(value, env) for value in self.arguments]
+        for slot in self.scalar_slots:
+            value = call[slot]
+            call[slot] = tuple(map(jnp.asarray, value)) if isinstance(value, tuple) else jnp.asarray(value)
+        try:
+            return self.fn(*call)
+        except (TypeError, ValueError) as error:
+            raise RuntimeError(f"{self.node.target.name()}: {error}") from error
+
+
+def _materialize(value: Any, env: dict) -> Any:
+    if isinstance(value, fx.Node):
+        return env[value]
+    if isinstance(value, tuple):
+        return tuple(_materialize(v, env) for v in value)
+    return value
+
+
+class _PythonStep:
+    """A Python function on graph values (``operator.getitem`` of a split, arithmetic on sizes)."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: fx.Node) -> None:
+        self.node = node
+
+    def run(self, env: dict) -> Any:
+        args = _materialize(_frozen(self.node.args), env)
+        return self.node.target(*args, **{k: _materialize(_frozen(v), env) for k, v in self.node.kwargs.items()})
+
+
+def _step(node: fx.Node) -> _Step | _PythonStep:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        if getattr(target, "__module__", None) == "_operator":
+            return _PythonStep(node)
+        raise NotImplementedError(f"tpu graph mode: no lowering for {target}")
+    if target in GRAPH_LOWERINGS:
+        return _Step(node, GRAPH_LOWERINGS[target], None)
+    entry = _eager_lowerings().get(target)
+    if entry is None:
+        raise NotImplementedError(f"tpu graph mode: no lowering for the operator {target.name()}")
+    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+    if mutates:
+        raise NotImplementedError(f"tpu graph mode: in-place operator {target.name()} in a functional graph")
+    return _Step(node, entry.fn, entry.static)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _check_on_device(node: fx.Node) -> None:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise NotImplementedError(f"tpu graph mode: graph output {node.name} is not a tensor ({type(value)})")
+    if value.device.type != "tpu":
+        raise NotImplementedError(f"tpu graph mode: graph output {node.name} is on {value.device}, not tpu")
+
+
+class CompiledGraph:
+    """A boxed callable (``fn(list_of_inputs)``) that runs one ATen graph as one jitted XLA program."""
+
+    def __init__(self, graph_module: fx.GraphModule) -> None:
+        placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        self._tensor_positions = [i for i, n in enumerate(placeholders) if _is_tensor(n)]
+        self._static_positions = [i for i, n in enumerate(placeholders) if not _is_tensor(n)]
+        self._tensor_nodes = [placeholders[i] for i in self._tensor_positions]
+        self._static_nodes = [placeholders[i] for i in self._static_positions]
+        constants = [n for n in graph_module.graph.nodes if n.op == "get_attr"]
+        self._constant_nodes = constants
+        self._constants = [getattr(graph_module, n.target) for n in constants]
+        self._steps = [_step(n) for n in graph_module.graph.nodes if n.op == "call_function"]
+        mutated = {}
+        for node in graph_module.graph.nodes:
+            if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
+                mutated[self._tensor_nodes.index(node.args[0])] = node
+        self._mutated_inputs, self._mutation_nodes = list(mutated), list(mutated.values())
+        output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        self._outputs = list(output.args[0])
+        self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node)]
+        for node in self._tensor_outputs:
+            _check_on_device(node)
+        self._jitted = jax.jit(self._trace, static_argnums=0)
+        self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
+        count("graphs")
+
+    def _trace(self, static_values: tuple, *arrays: Any) -> tuple[tuple, tuple]:
+        count("traces")
+        env = dict(zip(self._static_nodes, static_values))
+        env.update(zip(self._tensor_nodes + self._constant_nodes, arrays))
+        for step in self._steps:
+            env[step.node] = step.run(env)
+        return tuple(env[n] for n in self._tensor_outputs), tuple(env[n] for n in self._mutation_nodes)
+
+    def __call__(self, args: list) -> list:
+        tensors = [args[i] for i in self._tensor_positions]
+        static_values = tuple(args[i] for i in self._static_positions)
+        args.clear()  # boxed convention: inputs (saved activations in backward) may die early
+        device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
+        arrays = [_read(t, device_index) for t in tensors + self._constants]
+        outputs, written = self._jitted(static_values, *arrays)
+        count("calls")
+        for position, value in zip(self._mutated_inputs, written):
+            storage.write(tensors[position], value)
+        if not arrays:  # a graph of factories only: its results go to the chip, not JAX's default device
+            outputs = jax.device_put(outputs, runtime.device(device_index))
+        results = iter(outputs)
+        return [_wrap(next(results), device_index) if isinstance(o, fx.Node) else o for o in self._outputs]
+
+
+def _read(tensor: torch.Tensor, device_index: int) -> Any:
+    if tensor.device.type == "tpu":
+        return storage.read(tensor)
+    return to_device(tensor, tensor.dtype, device_index)  # e.g. a zero-dim CPU tensor operand
+
+
+def _wrap(array: Any, device_index: int) -> torch.Tensor:
+    return storage.wrap(array, dtypes.to_torch(array.dtype), device_index)
+
+
+def lower(graph_module: fx.GraphModule) -> CompiledGraph:
+    """Lowers an ATen graph; raises ``NotImplementedError`` naming the first op without a lowering."""
+    return CompiledGraph(graph_module)

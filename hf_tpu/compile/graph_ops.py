@@ -1,0 +1,189 @@
+"""Graph-mode lowerings of the ops eager mode runs as torch-level kernels (views, factories, copies).
+
+Eager mode computes views with CPU metadata kernels over a shared storage and allocates through
+``storage``; inside one traced graph there is no storage, so these become functional JAX ops.
+Each function has its ATen schema's parameter list; every non-tensor argument is a Python constant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from ..backend import dtypes, strided
+from ..backend.dispatch import resolve
+
+GRAPH_LOWERINGS: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
+
+
+def graph_lowering(*names: str) -> Callable[[Callable], Callable]:
+    """Registers a graph-mode lowering for ATen overloads (names as in :func:`..backend.dispatch.lowering`)."""
+
+    def register(fn: Callable) -> Callable:
+        for name in names:
+            GRAPH_LOWERINGS[resolve(name)] = fn
+        return fn
+
+    return register
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+# --- views ----------------------------------------------------------------------------------------
+
+
+@graph_lowering("view", "_unsafe_view", "_reshape_alias", "view_copy")
+def view(self, size, stride=None):
+    return jnp.reshape(self, tuple(size))
+
+
+@graph_lowering("alias", "detach", "clone", "lift_fresh_copy", "lift_fresh")
+def alias(self, memory_format=None):
+    return self
+
+
+@graph_lowering("permute")
+def permute(self, dims):
+    return jnp.transpose(self, tuple(_dim(d, self.ndim) for d in dims))
+
+
+@graph_lowering("t")
+def t(self):
+    return self.T if self.ndim == 2 else self
+
+
+@graph_lowering("transpose.int")
+def transpose(self, dim0, dim1):
+    return jnp.swapaxes(self, dim0, dim1)
+
+
+@graph_lowering("expand")
+def expand(self, size, implicit=False):
+    lead = len(size) - self.ndim
+    shape = tuple(self.shape[i - lead] if n == -1 else n for i, n in enumerate(size))
+    return jnp.broadcast_to(self, shape)
+
+
+@graph_lowering("slice.Tensor")
+def slice_(self, dim=0, start=None, end=None, step=1):
+    index = [slice(None)] * self.ndim
+    index[_dim(dim, self.ndim)] = slice(start, end, step)
+    return self[tuple(index)]
+
+
+@graph_lowering("select.int")
+def select(self, dim, index):
+    dim = _dim(dim, self.ndim)
+    return lax.index_in_dim(self, _dim(index, self.shape[dim]), dim, keepdims=False)
+
+
+@graph_lowering("squeeze", "squeeze.dim", "squeeze.dims")
+def squeeze(self, dim=None):
+    dims = range(self.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
+    return jnp.squeeze(self, tuple(d for d in (_dim(d, self.ndim) for d in dims) if self.shape[d] == 1))
+
+
+@graph_lowering("unsqueeze")
+def unsqueeze(self, dim):
+    return jnp.expand_dims(self, _dim(dim, self.ndim + 1))
+
+
+@graph_lowering("as_strided")
+def as_strided(self, size, stride, storage_offset=None):
+    """The view of a contiguous tensor's elements (graph values have no other storage)."""
+    return strided.read(self.reshape(-1), tuple(size), tuple(stride), storage_offset or 0)
+
+
+@graph_lowering("split.Tensor")
+def split(self, split_size, dim=0):
+    length = self.shape[_dim(dim, self.ndim)]
+    sizes = [min(split_size, length - start) for start in range(0, length, split_size)] or [0]
+    return split_with_sizes(self, sizes, dim)
+
+
+@graph_lowering("split_with_sizes")
+def split_with_sizes(self, split_sizes, dim=0):
+    dim, start, pieces = _dim(dim, self.ndim), 0, []
+    for size in split_sizes:
+        pieces.append(lax.slice_in_dim(self, start, start + size, axis=dim))
+        start += size
+    return tuple(pieces)
+
+
+@graph_lowering("unbind.int")
+def unbind(self, dim=0):
+    dim = _dim(dim, self.ndim)
+    return tuple(lax.index_in_dim(self, i, dim, keepdims=False) for i in range(self.shape[dim]))
+
+
+@graph_lowering("sym_size.int")
+def sym_size(self, dim):
+    return self.shape[dim]
+
+
+# --- dtype conversion and copies ------------------------------------------------------------------
+
+
+def _cast(value, dtype):
+    if jnp.iscomplexobj(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        value = value.real
+    return value.astype(dtype)
+
+
+@graph_lowering("_to_copy")
+def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    """A dtype conversion (the compiler rejects graphs whose values leave the device)."""
+    return self if dtype is None else _cast(self, dtypes.to_jax(dtype))
+
+
+@graph_lowering("copy", "copy_")
+def copy(self, src, non_blocking=False):
+    return jnp.broadcast_to(_cast(src, self.dtype), self.shape)
+
+
+# --- factories ------------------------------------------------------------------------------------
+
+
+def _factory_dtype(dtype, fill_value=0.0):
+    if dtype is not None:
+        return dtypes.to_jax(dtype)
+    if isinstance(fill_value, bool):
+        return dtypes.to_jax(torch.bool)
+    if isinstance(fill_value, int):
+        return dtypes.to_jax(torch.int64)
+    return dtypes.to_jax(torch.get_default_dtype())
+
+
+@graph_lowering("full")
+def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(tuple(size), fill_value, _factory_dtype(dtype, fill_value))
+
+
+@graph_lowering("zeros", "empty.memory_format")
+def zeros(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.zeros(tuple(size), _factory_dtype(dtype))
+
+
+@graph_lowering("empty_strided")
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return zeros(size, dtype)
+
+
+@graph_lowering("ones")
+def ones(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.ones(tuple(size), _factory_dtype(dtype))
+
+
+@graph_lowering("scalar_tensor")
+def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s, _factory_dtype(dtype))
+
+
+@graph_lowering("full_like")
+def full_like(self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return jnp.full(self.shape, fill_value, self.dtype if dtype is None else dtypes.to_jax(dtype))

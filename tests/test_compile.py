@@ -1,0 +1,136 @@
+"""torch.compile(backend="tpu"): each Dynamo graph runs as one jitted XLA program built from the op table."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from conftest import to_tpu
+from hf_tpu.compile import compile_stats, reset_compile_stats
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    reset_compile_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def test_mlp_forward_and_backward_match_cpu():
+    cpu_model = _mlp()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    x = torch.randn(5, 8)
+    expected = cpu_model(x).square().mean()
+    expected.backward()
+
+    compiled = torch.compile(tpu_model, backend="tpu", fullgraph=True)
+    result = compiled(to_tpu(x)).square().mean()
+    result.backward()
+
+    torch.testing.assert_close(result.cpu(), expected.detach())
+    for tpu_param, cpu_param in zip(tpu_model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(tpu_param.grad.cpu(), cpu_param.grad)
+
+
+def test_each_graph_is_one_jitted_program_traced_once():
+    compiled = torch.compile(_mlp().to("tpu"), backend="tpu", fullgraph=True)
+    x = torch.randn(5, 8, device="tpu")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+    assert compile_stats() == {"graphs": 1, "traces": 1, "calls": 3}
+
+
+def _update(buffer, index, values):
+    buffer.index_copy_(0, index, values)
+    buffer.add_(1)
+    return buffer.sum()
+
+
+def test_input_mutations_are_applied_to_the_callers_tensors():
+    buffer, index, values = torch.zeros(4, 3), torch.tensor([1, 3]), torch.randn(2, 3)
+    tpu_buffer, tpu_index, tpu_values = to_tpu((buffer, index, values))
+    expected = _update(buffer, index, values)
+
+    result = torch.compile(_update, backend="tpu", fullgraph=True)(tpu_buffer, tpu_index, tpu_values)
+
+    torch.testing.assert_close(result.cpu(), expected)
+    torch.testing.assert_close(tpu_buffer.cpu(), buffer)
+    assert compile_stats()["calls"] == 1
+
+
+def _views_and_factories(x):
+    left, right = x.t().split([2, 3], dim=0)
+    rows = torch.unbind(x[1:, ::2].unsqueeze(0).expand(2, -1, -1), dim=1)
+    ones = torch.ones(3, dtype=torch.int32, device=x.device)
+    half = torch.full_like(x, 0.5).to(torch.bfloat16)
+    return left.permute(1, 0).reshape(-1) * 2, right.squeeze(), rows[0] + ones, half
+
+
+def test_graph_mode_views_factories_and_casts_match_cpu():
+    x = torch.randn(4, 5)
+    expected = _views_and_factories(x)
+    result = torch.compile(_views_and_factories, backend="tpu", fullgraph=True)(to_tpu(x))
+    for actual, wanted in zip(result, expected):
+        assert actual.device.type == "tpu" and actual.dtype == wanted.dtype
+        torch.testing.assert_close(actual.cpu(), wanted)
+
+
+_LIBRARY = torch.library.Library("hf_tpu_test_compile", "DEF")
+_LIBRARY.define("mystery(Tensor x) -> Tensor")
+_LIBRARY.impl("mystery", lambda x: x.clone(), "CompositeExplicitAutograd")
+
+
+def test_an_op_without_a_lowering_is_named_at_compile_time():
+    compiled = torch.compile(lambda x: torch.ops.hf_tpu_test_compile.mystery(x) + 1, backend="tpu")
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as error:
+        compiled(torch.ones(2, device="tpu"))
+    assert isinstance(error.value.inner_exception, NotImplementedError)
+    assert "no lowering for the operator hf_tpu_test_compile::mystery" in str(error.value)
+
+
+def _tiny_llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_tiny_llama_forward_matches_cpu():
+    cpu_model = _tiny_llama()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    input_ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        expected = cpu_model(input_ids).logits
+        result = torch.compile(tpu_model, backend="tpu")(to_tpu(input_ids)).logits
+    torch.testing.assert_close(result.cpu(), expected, atol=1e-4, rtol=1e-4)
+    assert compile_stats()["graphs"] == compile_stats()["calls"] == 1
+
+
+def test_generate_with_a_static_cache_compiles_decoding_into_one_graph():
+    """transformers compiles the decode step with backend="tpu"; the cache's index_copy_ writes persist."""
+    cpu_model = _tiny_llama()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    input_ids = torch.randint(0, 128, (1, 8))
+    options = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}
+    expected = cpu_model.generate(input_ids, **options)
+    result = tpu_model.generate(to_tpu(input_ids), **options)
+    assert result.cpu().tolist() == expected.tolist()
+    assert compile_stats() == {"graphs": 1, "traces": 1, "calls": 5}
