@@ -93,7 +93,8 @@ def _kind(argument: torch._C.Argument, static: frozenset[str]) -> int:
     return _STATIC
 
 
-def _default(argument: torch._C.Argument) -> Any:
+def schema_default(argument: torch._C.Argument) -> Any:
+    """An argument's default as a lowering sees it (ScalarType codes as dtypes); a sentinel if required."""
     if not argument.has_default_value():
         return _REQUIRED
     value = argument.default_value
@@ -225,7 +226,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     schema = op._schema
     arguments = list(schema.arguments)
     names = [a.name for a in arguments]
-    defaults = [_default(a) for a in arguments]
+    defaults = [schema_default(a) for a in arguments]
     written = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
     is_out = [w and a.kwarg_only for w, a in zip(written, arguments)]
     inputs = [i for i in range(len(arguments)) if not is_out[i]]

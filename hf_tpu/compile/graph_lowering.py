@@ -38,13 +38,6 @@ def lowered_ops() -> frozenset[torch._ops.OpOverload]:
     return frozenset(GRAPH_LOWERINGS) | frozenset(_eager_lowerings())
 
 
-def _schema_default(argument: torch._C.Argument) -> Any:
-    value = argument.default_value
-    if isinstance(value, int) and "ScalarType" in str(argument.type):
-        return dtypes.from_scalar_type_code(value)
-    return value
-
-
 def _frozen(value: Any) -> Any:
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
@@ -59,7 +52,7 @@ def _bound_arguments(node: fx.Node) -> list[tuple[torch._C.Argument, Any]]:
         elif argument.name in node.kwargs:
             value = node.kwargs[argument.name]
         elif argument.has_default_value():
-            value = _schema_default(argument)
+            value = dispatch.schema_default(argument)
         else:
             raise TypeError(f"{op.name()}: missing argument {argument.name!r}")
         bound.append((argument, _frozen(value)))
@@ -74,7 +67,7 @@ def _is_traced_scalar(argument: torch._C.Argument, value: Any, static: frozenset
         return False
     if not argument.has_default_value():
         return True
-    default = _schema_default(argument)
+    default = dispatch.schema_default(argument)
     return not (value is default or (type(value) is type(default) and value == default))
 
 
