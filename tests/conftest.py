@@ -45,6 +45,24 @@ def check_against_cpu(fn: Callable[..., Any], *args: Any, **tolerances: Any) -> 
     return actual
 
 
+def tiny_llama(**overrides: Any) -> torch.nn.Module:
+    """A tiny LlamaForCausalLM built from a config on CPU (hidden 64, 2 layers, GQA; no downloads)."""
+    import transformers
+
+    settings = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, **overrides})).float()
+
+
 @pytest.fixture
 def cpu_and_tpu():
     return check_against_cpu

@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
-from conftest import to_tpu
+from conftest import tiny_llama, to_tpu
 from hf_tpu.compile import compile_stats, reset_compile_stats
 
 
@@ -99,22 +98,8 @@ def test_an_op_without_a_lowering_is_named_at_compile_time():
     assert "no lowering for the operator hf_tpu_test_compile::mystery" in str(error.value)
 
 
-def _tiny_llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def test_tiny_llama_forward_matches_cpu():
-    cpu_model = _tiny_llama()
+    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     input_ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
@@ -126,7 +111,7 @@ def test_tiny_llama_forward_matches_cpu():
 
 def test_generate_with_a_static_cache_compiles_decoding_into_one_graph():
     """transformers compiles the decode step with backend="tpu"; the cache's index_copy_ writes persist."""
-    cpu_model = _tiny_llama()
+    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     input_ids = torch.randint(0, 128, (1, 8))
     options = {"max_new_tokens": 6, "do_sample": False, "cache_implementation": "static"}

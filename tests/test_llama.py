@@ -8,25 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-import transformers
+from conftest import tiny_llama
 
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}
-
-
-def tiny_llama(**overrides) -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        **overrides,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
 
 
 def test_to_tpu_keeps_parameters_and_ties():
