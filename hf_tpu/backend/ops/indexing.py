@@ -133,12 +133,14 @@ def nonzero_static(self, size, fill_value=-1):
 @lowering("masked_scatter", "masked_scatter_", "masked_scatter.out")
 def masked_scatter(self, mask, source):
     """Fills the masked positions, in order, with ``source``'s leading elements (no host sync)."""
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    self = jnp.broadcast_to(self, shape)
     if source.size == 0:
         return self
-    flat_mask = jnp.broadcast_to(mask, self.shape).reshape(-1)
+    flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
     positions = jnp.maximum(jnp.cumsum(flat_mask, dtype=jnp.int64) - 1, 0)
     values = jnp.take(source.reshape(-1), positions, mode="clip").astype(self.dtype)
-    return jnp.where(flat_mask, values, self.reshape(-1)).reshape(self.shape)
+    return jnp.where(flat_mask, values, self.reshape(-1)).reshape(shape)
 
 
 @kernel("masked_select")
@@ -146,6 +148,8 @@ def masked_select(self, mask):
     if mask.dtype != torch.bool:
         raise RuntimeError("masked_select: expected BoolTensor for mask")
     self, mask = torch.broadcast_tensors(self, mask)
+    if self.dim() == 0:  # the result is 1-D: index a one-element vector
+        self, mask = self.reshape(1), mask.reshape(1)
     return index(self, [mask])
 
 
@@ -172,7 +176,20 @@ def _source_for(self, axis, index, source):
     return source.reshape(self.shape[:axis] + (index.size,) + self.shape[axis + 1:]).astype(self.dtype)
 
 
+def _as_vector(fn):
+    """Runs ``fn`` on a zero-dim ``self`` as a one-element vector (its dim 0), as torch does."""
+
+    @functools.wraps(fn)
+    def lower(self, *args):
+        if self.ndim:
+            return fn(self, *args)
+        return fn(self.reshape(1), *args).reshape(())
+
+    return lower
+
+
 @lowering("index_add", "index_add_", "index_add.out")
+@_as_vector
 def index_add(self, dim, index, source, alpha=1):
     target, axis = _index_along(self, dim, index)
     if not (isinstance(alpha, int) and alpha == 1):
@@ -181,6 +198,7 @@ def index_add(self, dim, index, source, alpha=1):
 
 
 @lowering("index_copy", "index_copy_", "index_copy.out")
+@_as_vector
 def index_copy(self, dim, index, source):
     target, axis = _index_along(self, dim, index)
     return target.set(_source_for(self, axis, index, source))
@@ -188,6 +206,7 @@ def index_copy(self, dim, index, source):
 
 @lowering("index_fill.int_Scalar", "index_fill_.int_Scalar", "index_fill.int_Tensor", "index_fill_.int_Tensor",
           "index_fill.int_Scalar_out", "index_fill.int_Tensor_out")
+@_as_vector
 def index_fill(self, dim, index, value):
     target, _ = _index_along(self, dim, index)
     return target.set(jnp.asarray(value).astype(self.dtype))
@@ -268,6 +287,8 @@ def _scatter_reduce(self, dim, index, src, reduce, include_self):
 @lowering("gather", "gather.out")
 def gather(self, dim, index, sparse_grad=False):
     shape = index.shape
+    if index.size == 0:
+        return jnp.zeros(shape, self.dtype)
     self, index = jnp.atleast_1d(self), jnp.atleast_1d(index)
     axis = dim % index.ndim
     window = self[tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))]

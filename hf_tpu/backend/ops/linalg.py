@@ -7,6 +7,7 @@ products run at full precision (``Precision.HIGHEST``), matching torch's default
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -82,3 +83,226 @@ def baddbmm(self, batch1, batch2, beta=1, alpha=1):
 def addbmm(self, batch1, batch2, beta=1, alpha=1):
     product = _matmul(batch1, batch2).sum(axis=0)
     return _scaled_sum(self, product, beta, alpha, batch1.dtype)
+
+
+# --- decompositions and solvers -----------------------------------------------------------------
+# jnp.linalg / lax.linalg run LAPACK on JAX's CPU platform and XLA's own algorithms on TPU; results
+# whose sign or order is not unique (SVD, eigh vectors) follow the algorithm, as on CUDA.
+
+
+def _batch_info(a):
+    """The ``info`` output of the ``*_ex`` ops: zeros (success) per matrix, int32."""
+    return jnp.zeros(a.shape[:-2], jnp.int32)
+
+
+def _broadcast_batch(a, b):
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
+
+
+def _adjoint(a):
+    return jnp.conj(jnp.swapaxes(a, -1, -2))
+
+
+def _hp(fn, *args, **kwargs):
+    with jax.default_matmul_precision("highest"):
+        return fn(*args, **kwargs)
+
+
+@lowering("linalg_cholesky_ex", "linalg_cholesky_ex.L")
+def cholesky_ex(self, upper=False, check_errors=False):
+    if self.shape[-1] == 0:
+        return self, _batch_info(self)
+    lower = jnp.linalg.cholesky(self)
+    failed = jnp.isnan(jnp.diagonal(lower, axis1=-2, axis2=-1))
+    info = jnp.where(jnp.any(failed, axis=-1), jnp.argmax(failed, axis=-1) + 1, 0).astype(jnp.int32)
+    lower = jnp.where(jnp.isnan(lower), jnp.zeros((), lower.dtype), lower)
+    return (_adjoint(lower) if upper else lower), info
+
+
+@lowering("cholesky", "cholesky.out")
+def cholesky(self, upper=False):
+    return cholesky_ex(self, upper)[0]
+
+
+@lowering("cholesky_inverse", "cholesky_inverse.out")
+def cholesky_inverse(self, upper=False):
+    factor = _adjoint(self) if upper else self  # lower: A = L L^H
+    n = self.shape[-1]
+    identity = jnp.broadcast_to(jnp.eye(n, dtype=self.dtype), self.shape)
+    inverse_l = lax.linalg.triangular_solve(factor, identity, left_side=True, lower=True)
+    return _hp(jnp.matmul, _adjoint(inverse_l), inverse_l)
+
+
+@lowering("_cholesky_solve_helper", "_cholesky_solve_helper.out")
+def cholesky_solve_helper(self, A, upper):
+    factor = _adjoint(A) if upper else A
+    y = lax.linalg.triangular_solve(factor, self, left_side=True, lower=True)
+    return lax.linalg.triangular_solve(factor, y, left_side=True, lower=True, transpose_a=True, conjugate_a=True)
+
+
+@lowering("linalg_inv_ex", "linalg_inv_ex.inverse")
+def inv_ex(A, check_errors=False):
+    return _hp(jnp.linalg.inv, A), _batch_info(A)
+
+
+def _lu(A):
+    """LU with partial pivoting: (LU, 1-based int32 pivots as LAPACK, permutation)."""
+    lu, pivots, permutation = lax.linalg.lu(A)
+    return lu, (pivots + 1).astype(jnp.int32), permutation
+
+
+@lowering("_linalg_det", "_linalg_det.result")
+def det(A):
+    lu, pivots, _ = _lu(A)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    swaps = jnp.sum(pivots != jnp.arange(1, pivots.shape[-1] + 1, dtype=jnp.int32), axis=-1)
+    sign = jnp.where(swaps % 2 == 0, 1, -1).astype(A.dtype)
+    return sign * jnp.prod(diagonal, axis=-1), lu, pivots
+
+
+@lowering("_linalg_slogdet", "_linalg_slogdet.sign")
+def slogdet(A):
+    lu, pivots, _ = _lu(A)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    swaps = jnp.sum(pivots != jnp.arange(1, pivots.shape[-1] + 1, dtype=jnp.int32), axis=-1)
+    sign = jnp.where(swaps % 2 == 0, 1, -1).astype(A.dtype) * jnp.prod(jnp.sign(diagonal), axis=-1)
+    return sign, jnp.sum(jnp.log(jnp.abs(diagonal)), axis=-1), lu, pivots
+
+
+def _is_vector_rhs(A, B):
+    return B.ndim == 1 or (B.ndim == A.ndim - 1 and B.shape == A.shape[:-1])
+
+
+@lowering("_linalg_solve_ex", "_linalg_solve_ex.result")
+def solve_ex(A, B, left=True, check_errors=False):
+    vector = _is_vector_rhs(A, B)
+    rhs = B[..., None] if vector else B
+    if not left:
+        rhs = _adjoint(rhs) if not vector else rhs
+    matrix = A if left else _adjoint(A)
+    matrix, rhs = _broadcast_batch(matrix, rhs)
+    lu, pivots, permutation = _lu(matrix)
+    x = _lu_solve_with(lu, permutation, rhs)
+    if not left and not vector:
+        x = _adjoint(x)
+    return (x[..., 0] if vector else x), lu, pivots, _batch_info(matrix)
+
+
+def _lu_solve_with(lu, permutation, b):
+    """Solves ``A x = b`` given ``A[permutation] = L U``."""
+    permuted = jnp.take_along_axis(b, permutation[..., :, None].astype(jnp.int64), axis=-2)
+    y = lax.linalg.triangular_solve(lu, permuted, left_side=True, lower=True, unit_diagonal=True)
+    return lax.linalg.triangular_solve(lu, y, left_side=True, lower=False)
+
+
+def _permutation(pivots, m):
+    return lax.linalg.lu_pivots_to_permutation(pivots.astype(jnp.int32) - 1, m)
+
+
+@lowering("linalg_lu_factor_ex", "linalg_lu_factor_ex.out")
+def lu_factor_ex(A, pivot=True, check_errors=False):
+    if not pivot:
+        raise RuntimeError("linalg.lu_factor: LU without pivoting is not implemented on the tpu device")
+    lu, pivots, _ = _lu(A)
+    return lu, pivots, _batch_info(A)
+
+
+def _unpack(lu, permutation, m, n):
+    k = min(m, n)
+    lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    upper = jnp.triu(lu[..., :k, :])
+    # A[permutation] = L U, so A = P L U with P[permutation[i], i] = 1.
+    p = jnp.swapaxes(jax.nn.one_hot(permutation, m, dtype=lu.dtype), -1, -2)
+    return p, lower, upper
+
+
+@lowering("linalg_lu", "linalg_lu.out")
+def linalg_lu(A, pivot=True):
+    if not pivot:
+        raise RuntimeError("linalg.lu: LU without pivoting is not implemented on the tpu device")
+    lu, _, permutation = _lu(A)
+    return _unpack(lu, permutation, A.shape[-2], A.shape[-1])
+
+
+@lowering("lu_unpack", "lu_unpack.out")
+def lu_unpack(LU_data, LU_pivots, unpack_data=True, unpack_pivots=True):
+    m, n = LU_data.shape[-2:]
+    permutation = _permutation(LU_pivots, m)
+    p, lower, upper = _unpack(LU_data, permutation, m, n)
+    empty = jnp.zeros((0,), LU_data.dtype)
+    return (p if unpack_pivots else empty), (lower if unpack_data else empty), (upper if unpack_data else empty)
+
+
+@lowering("linalg_lu_solve", "linalg_lu_solve.out")
+def lu_solve(LU, pivots, B, left=True, adjoint=False):
+    m = LU.shape[-1]
+    permutation = _permutation(pivots, m)
+    if not left:  # X A = B  <=>  A^H X^H = B^H
+        return _adjoint(lu_solve(LU, pivots, _adjoint(B), True, not adjoint))
+    LU, B = _broadcast_batch(LU, B)
+    permutation = jnp.broadcast_to(permutation, B.shape[:-2] + (m,))
+    if not adjoint:
+        return _lu_solve_with(LU, permutation, B)
+    # A^H X = B with A = P L U:  U^H L^H P^T X = B
+    y = lax.linalg.triangular_solve(LU, B, left_side=True, lower=False, transpose_a=True, conjugate_a=True)
+    z = lax.linalg.triangular_solve(LU, y, left_side=True, lower=True, unit_diagonal=True, transpose_a=True,
+                                    conjugate_a=True)
+    inverse = jnp.argsort(permutation, axis=-1)
+    return jnp.take_along_axis(z, inverse[..., :, None].astype(jnp.int64), axis=-2)
+
+
+@lowering("linalg_solve_triangular", "linalg_solve_triangular.out")
+def solve_triangular(self, B, upper, left=True, unitriangular=False):
+    A, B = _broadcast_batch(self, B)
+    return lax.linalg.triangular_solve(A, B, left_side=left, lower=not upper, unit_diagonal=unitriangular)
+
+
+@lowering("triangular_solve", "triangular_solve.X")
+def triangular_solve(self, A, upper=True, transpose=False, unitriangular=False):
+    A, b = _broadcast_batch(A, self)
+    x = lax.linalg.triangular_solve(A, b, left_side=True, lower=not upper, transpose_a=transpose,
+                                    unit_diagonal=unitriangular)
+    return x, A
+
+
+@lowering("_linalg_svd", "_linalg_svd.U")
+def svd(A, full_matrices=False, compute_uv=True, driver=None):
+    if not compute_uv:
+        empty = jnp.zeros((0,), A.dtype)
+        return empty, jnp.linalg.svd(A, compute_uv=False), empty
+    u, s, vh = jnp.linalg.svd(A, full_matrices=full_matrices)
+    return u, s, vh
+
+
+@lowering("_linalg_eigh", "_linalg_eigh.eigenvalues")
+def eigh(A, UPLO="L", compute_v=True):
+    values, vectors = jnp.linalg.eigh(A, UPLO=UPLO, symmetrize_input=False)
+    return values, (vectors if compute_v else jnp.zeros((0,), A.dtype))
+
+
+@lowering("linalg_qr", "linalg_qr.out")
+def qr(A, mode="reduced"):
+    if mode == "r":
+        return jnp.zeros((0,), A.dtype), jnp.linalg.qr(A, mode="r")
+    return jnp.linalg.qr(A, mode="complete" if mode == "complete" else "reduced")
+
+
+@lowering("linalg_householder_product", "linalg_householder_product.out")
+def householder_product(input, tau):
+    """``H_1 ... H_k`` (first n columns), ``H_i = I - tau_i v_i v_i^H`` with ``v_i`` below the diagonal."""
+    m, n = input.shape[-2:]
+    q = jnp.broadcast_to(jnp.eye(m, n, dtype=input.dtype), input.shape)
+    rows = jnp.arange(m)
+    for i in reversed(range(tau.shape[-1])):
+        v = jnp.where(rows == i, jnp.ones((), input.dtype), jnp.where(rows > i, input[..., :, i], 0))
+        projection = _hp(jnp.einsum, "...m,...mn->...n", jnp.conj(v), q)
+        q = q - tau[..., i, None, None] * v[..., :, None] * projection[..., None, :]
+    return q
+
+
+@lowering("linalg_matrix_exp", "linalg_matrix_exp.out")
+def matrix_exp(self):
+    compute = _accumulator(self.dtype)
+    flat = self.astype(compute).reshape((-1,) + self.shape[-2:])
+    return _hp(jax.vmap(jax.scipy.linalg.expm), flat).reshape(self.shape).astype(self.dtype)

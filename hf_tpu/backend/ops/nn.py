@@ -51,6 +51,8 @@ def _log_softmax_of(x, axis):
 
 def _along_last_axis(fn, x, dim, dtype):
     """Applies ``fn(x, axis)`` in ``x``'s compute dtype; zero-dim inputs act as one-element vectors."""
+    if x.size == 0:
+        return x.astype(dtype)
     values = _upcast(x).reshape(x.shape or (1,))
     return fn(values, _axis(dim, x.ndim)).reshape(x.shape).astype(dtype)
 
@@ -296,3 +298,131 @@ def native_dropout(input, p, train):
     index = storage.buffer_of(input).device_index
     out, mask = _dropout(random.key_parts(index), storage.read(input), 1.0 - p)
     return storage.wrap(out, input.dtype, index), storage.wrap(mask, torch.bool, index)
+
+
+# --- batch normalization ------------------------------------------------------------------------
+# Kernels rather than lowerings: the CPU kernels update running_mean/running_var in place even where
+# the schema does not mark them as written (native_batch_norm).
+
+
+import functools  # noqa: E402
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7, 8))
+def _batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, stats_dtype):
+    axes = (0,) + tuple(range(2, x.ndim))
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    values = _upcast(x)
+    compute = values.dtype
+    if training:
+        mean = jnp.mean(values, axis=axes)
+        variance = jnp.mean(jnp.square(values - mean.reshape(shape)), axis=axes)
+        invstd = jax.lax.rsqrt(variance + eps)
+        count = x.size // x.shape[1]
+        new_mean = new_var = None
+        if running_mean is not None:
+            new_mean = ((1 - momentum) * running_mean.astype(compute) + momentum * mean).astype(running_mean.dtype)
+        if running_var is not None:
+            unbiased = variance * count / max(count - 1, 1)
+            new_var = ((1 - momentum) * running_var.astype(compute) + momentum * unbiased).astype(running_var.dtype)
+    else:
+        mean, invstd = running_mean.astype(compute), jax.lax.rsqrt(running_var.astype(compute) + eps)
+        new_mean = new_var = None
+    out = (values - mean.reshape(shape)) * invstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.astype(compute).reshape(shape)
+    if bias is not None:
+        out = out + bias.astype(compute).reshape(shape)
+    if training:
+        saved = mean.astype(stats_dtype), invstd.astype(stats_dtype)
+    else:
+        saved = jnp.zeros((0,), stats_dtype), jnp.zeros((0,), stats_dtype)
+    return out.astype(x.dtype), saved[0], saved[1], new_mean, new_var
+
+
+def _read(tensor):
+    return None if tensor is None else storage.read(tensor)
+
+
+def _run_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, stats_dtype):
+    index = storage.buffer_of(input).device_index
+    out, mean, invstd, new_mean, new_var = _batch_norm(
+        storage.read(input), _read(weight), _read(bias), _read(running_mean), _read(running_var), bool(training),
+        float(momentum), float(eps), dtypes.to_jax(stats_dtype))
+    if new_mean is not None:
+        storage.write(running_mean, new_mean)
+    if new_var is not None:
+        storage.write(running_var, new_var)
+    return (storage.wrap(out, input.dtype, index), storage.wrap(mean, stats_dtype, index),
+            storage.wrap(invstd, stats_dtype, index))
+
+
+def _stats_dtype(input, weight, running_mean):
+    """As the CPU kernels: the parameters' dtype (float32 statistics for half inputs with float32 parameters)."""
+    for tensor in (weight, running_mean):
+        if tensor is not None:
+            return tensor.dtype
+    return input.dtype
+
+
+@kernel("native_batch_norm")
+def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return _run_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                           _stats_dtype(input, weight, running_mean))
+
+
+@kernel("_native_batch_norm_legit")
+def native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    return _run_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                           _stats_dtype(input, weight, running_mean))
+
+
+@kernel("_native_batch_norm_legit.no_stats")
+def native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
+    return _run_batch_norm(input, weight, bias, None, None, True, momentum, eps, _stats_dtype(input, weight, None))
+
+
+@kernel("_native_batch_norm_legit_no_training")
+def native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    return _run_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps,
+                           _stats_dtype(input, None, running_mean))
+
+
+@lowering("native_batch_norm_backward", "native_batch_norm_backward.out")
+def native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                               output_mask):
+    axes = (0,) + tuple(range(2, input.ndim))
+    shape = (1, -1) + (1,) * (input.ndim - 2)
+    x, grad = _upcast(input), _upcast(grad_out)
+    compute = x.dtype
+    if train:
+        mean, invstd = save_mean.astype(compute), save_invstd.astype(compute)
+    else:
+        mean, invstd = running_mean.astype(compute), jax.lax.rsqrt(running_var.astype(compute) + eps)
+    w = jnp.ones(input.shape[1], compute) if weight is None else weight.astype(compute)
+    normalized = (x - mean.reshape(shape)) * invstd.reshape(shape)
+    grad_sum = jnp.sum(grad, axis=axes)
+    dot = jnp.sum(grad * normalized, axis=axes)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if train:
+            count = input.size // input.shape[1]
+            grad_input = (grad - (grad_sum / count).reshape(shape) - normalized * (dot / count).reshape(shape)) * \
+                (invstd * w).reshape(shape)
+        else:
+            grad_input = grad * (invstd * w).reshape(shape)
+        grad_input = grad_input.astype(input.dtype)
+    param_dtype = input.dtype if weight is None else weight.dtype
+    if output_mask[1]:
+        grad_weight = dot.astype(param_dtype)
+    if output_mask[2]:
+        grad_bias = grad_sum.astype(param_dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+@kernel("_batch_norm_with_update")
+def batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """Training-mode batch norm that updates the running statistics; the reserve is empty (no cuDNN)."""
+    out, mean, invstd = _run_batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps,
+                                        _stats_dtype(input, weight, running_mean))
+    return out, mean, invstd, torch.empty((0,), dtype=torch.uint8, device=input.device)

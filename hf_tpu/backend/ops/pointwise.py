@@ -80,7 +80,7 @@ def _floor_divide(a, b):
     """Python's ``//``; for floats torch's ``div_floor_floating`` (exact, signed zeros, x/0 = ±inf)."""
     if not _is_float(a):
         return jnp.floor_divide(a, b)
-    mod = lax.rem(a, b)
+    mod = jnp.fmod(a, b)
     quotient = (a - mod) / b
     quotient = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), quotient - 1, quotient)
     floor = jnp.floor(quotient)
@@ -115,7 +115,7 @@ def remainder(self, other):
 
 @lowering("fmod.Tensor", "fmod_.Tensor", "fmod.Tensor_out", "fmod.Scalar", "fmod_.Scalar", "fmod.Scalar_out")
 def fmod(self, other):
-    return _math(lax.rem, result_type(self, other), self, other)
+    return _math(jnp.fmod, result_type(self, other), self, other)
 
 
 def _power(base, exponent):
@@ -422,3 +422,19 @@ def tanh_backward(grad_output, output):
 def threshold_backward(grad_output, self, threshold):
     dtype = result_type(grad_output, self)
     return jnp.where(self <= jnp.asarray(threshold, self.dtype), jnp.zeros((), dtype), jnp.asarray(grad_output, dtype))
+
+
+@lowering("conj_physical.out", "conj_physical_")
+def conj_physical(self):
+    return jnp.conj(self) if jnp.issubdtype(self.dtype, jnp.complexfloating) else self
+
+
+@lowering("angle", "angle.out")
+def angle(self):
+    """The argument of complex numbers; for reals 0 or pi (NaN stays NaN), in the float result dtype."""
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        return jnp.angle(self)
+    dtype = _float_result(self)
+    x = self.astype(_opmath(dtype))
+    result = jnp.where(x < 0, jnp.asarray(np.pi, x.dtype), jnp.zeros((), x.dtype))
+    return jnp.where(jnp.isnan(x), x, result).astype(dtype)

@@ -11,9 +11,11 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import torch
+from jax import lax
 
 from .. import dtypes
-from ..dispatch import lowering
+from ..dispatch import kernel, lowering
 from .pointwise import _float_result, _opmath
 
 
@@ -342,3 +344,155 @@ def cumsum(self, dim, dtype=None):
 @lowering("cumprod", "cumprod.out", "cumprod_")
 def cumprod(self, dim, dtype=None):
     return _scan(jnp.cumprod, self, dim, dtype)
+
+
+@kernel("equal")
+def equal(self, other):
+    """Same shape and equal elements (NaN unequal to itself); one host sync for the answer."""
+    if self.shape != other.shape:
+        return False
+    return bool(torch.ops.aten.eq.Tensor(self, other).all().item())
+
+
+# --- order statistics ---------------------------------------------------------------------------
+
+
+def _nan_last_order(x, axis):
+    """A stable ascending order along ``axis`` with NaN after every number (``jnp.argsort``'s order)."""
+    return jnp.argsort(x, axis=axis, stable=True)
+
+
+def _select(self, dim, keepdim, position):
+    """Values and int64 indices of the ``position(sorted, nan_count, n)``-th order statistic along ``dim``."""
+    d = _dim(self, dim)
+    x = jnp.atleast_1d(self)
+    axis = 0 if d is None else d
+    order = _nan_last_order(x, axis)
+    ordered = jnp.take_along_axis(x, order, axis=axis)
+    nans = jnp.sum(jnp.isnan(x), axis=axis, keepdims=True) if jnp.issubdtype(x.dtype, jnp.inexact) else \
+        jnp.zeros([1 if i == axis else n for i, n in enumerate(x.shape)], jnp.int64)
+    k = position(nans.astype(jnp.int64), x.shape[axis])
+    values = jnp.take_along_axis(ordered, k, axis=axis)
+    indices = jnp.take_along_axis(order, k, axis=axis).astype(jnp.int64)
+    if d is None:
+        return values.reshape(self.shape), indices.reshape(self.shape)
+    if not keepdim:
+        values, indices = jnp.squeeze(values, axis), jnp.squeeze(indices, axis)
+    return values, indices
+
+
+def _median_position(nans, n):
+    """The lower median; a row with NaN gives its first NaN (sorted after the n - nans numbers)."""
+    return jnp.where(nans > 0, n - nans, (n - 1) // 2)
+
+
+def _nanmedian_position(nans, n):
+    return jnp.maximum((n - nans - 1) // 2, 0)
+
+
+def _check_dim_nonempty(self, dim, name):
+    d = _dim(self, dim)
+    if d is not None and self.shape[d] == 0:
+        raise IndexError(f"{name}(): Expected reduction dim {dim} to have non-zero size.")
+
+
+@lowering("median", "median.out")
+def median_all(self):
+    if self.size == 0:
+        return jnp.full((), jnp.nan, self.dtype) if jnp.issubdtype(self.dtype, jnp.inexact) else \
+            jnp.zeros((), self.dtype)
+    return _select(self.reshape(-1), 0, False, _median_position)[0]
+
+
+@lowering("median.dim", "median.dim_values")
+def median_dim(self, dim, keepdim=False):
+    _check_dim_nonempty(self, dim, "median")
+    return _select(self, dim, keepdim, _median_position)
+
+
+@lowering("nanmedian", "nanmedian.out")
+def nanmedian_all(self):
+    if self.size == 0:
+        return jnp.full((), jnp.nan, self.dtype) if jnp.issubdtype(self.dtype, jnp.inexact) else \
+            jnp.zeros((), self.dtype)
+    return _select(self.reshape(-1), 0, False, _nanmedian_position)[0]
+
+
+@lowering("nanmedian.dim", "nanmedian.dim_values")
+def nanmedian_dim(self, dim, keepdim=False):
+    _check_dim_nonempty(self, dim, "nanmedian")
+    return _select(self, dim, keepdim, _nanmedian_position)
+
+
+@lowering("kthvalue", "kthvalue.values")
+def kthvalue(self, k, dim=-1, keepdim=False):
+    """The k-th smallest element (1-based; NaN is larger than every number) and its index."""
+    d = _dim(self, dim)
+    size = self.shape[d] if d is not None else 1
+    if not 1 <= k <= size:
+        raise IndexError(f"kthvalue(): selected number k out of range for dimension {dim}")
+    return _select(self, dim, keepdim, lambda nans, n: jnp.full_like(nans, k - 1))
+
+
+@lowering("mode", "mode.values")
+def mode(self, dim=-1, keepdim=False):
+    """The most frequent value along ``dim`` (the smallest among equally frequent ones), and the
+    last index where it occurs, as torch's CPU kernel."""
+    d = _dim(self, dim)
+    x = jnp.atleast_1d(self)
+    axis = 0 if d is None else d
+    moved = jnp.moveaxis(x, axis, -1)
+    ordered = jnp.sort(moved, axis=-1)
+    counts = jnp.sum(ordered[..., :, None] == ordered[..., None, :], axis=-1)
+    best = jnp.argmax(counts, axis=-1)  # first in sorted order: the smallest of the most frequent
+    values = jnp.take_along_axis(ordered, best[..., None], axis=-1)
+    n = moved.shape[-1]
+    positions = jnp.where(moved == values, jnp.arange(n, dtype=jnp.int64), -1)
+    indices = jnp.max(positions, axis=-1, keepdims=True)
+    values, indices = jnp.moveaxis(values, -1, axis), jnp.moveaxis(indices, -1, axis)
+    if d is None:
+        return values.reshape(self.shape), indices.reshape(self.shape)
+    if not keepdim:
+        values, indices = jnp.squeeze(values, axis), jnp.squeeze(indices, axis)
+    return values, indices
+
+
+# --- scans with indices -------------------------------------------------------------------------
+
+
+def _cumulative_extreme(self, dim, better):
+    """Running extreme and the index where it was reached; later ties and NaN win, as torch's CPU."""
+    d = _dim(self, dim)
+    if d is None or self.size == 0:
+        return self, jnp.zeros(self.shape, jnp.int64)
+    positions = lax.broadcasted_iota(jnp.int64, self.shape, d)
+
+    def combine(left, right):
+        take = better(right[0], left[0])
+        if jnp.issubdtype(self.dtype, jnp.inexact):
+            take = take | jnp.isnan(right[0])
+        return jnp.where(take, right[0], left[0]), jnp.where(take, right[1], left[1])
+
+    values = self.astype(jnp.uint8) if self.dtype == jnp.bool_ else self
+    values, indices = lax.associative_scan(combine, (values, positions), axis=d)
+    return values.astype(self.dtype), indices
+
+
+@lowering("cummax", "cummax.out")
+def cummax(self, dim):
+    return _cumulative_extreme(self, dim, lambda a, b: a >= b)
+
+
+@lowering("cummin", "cummin.out")
+def cummin(self, dim):
+    return _cumulative_extreme(self, dim, lambda a, b: a <= b)
+
+
+@lowering("_logcumsumexp", "_logcumsumexp.out")
+def logcumsumexp(self, dim):
+    d = _dim(self, dim)
+    out = _float_result(self)
+    x = self.astype(_opmath(out))
+    if d is None or self.size == 0:
+        return x.astype(out)
+    return lax.associative_scan(jnp.logaddexp, x, axis=d).astype(out)

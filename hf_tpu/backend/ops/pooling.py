@@ -1,0 +1,200 @@
+"""Pooling: average (fixed and adaptive windows), adaptive max, and max-pool backward.
+
+Windows are static (they depend only on shapes), so averages are one ``lax.reduce_window`` sum
+divided by a constant count array, and adaptive pools are products with constant averaging
+matrices (average) or masked maxima along one dim at a time (max). Backward ops are the JAX VJP of
+the forward, or, for max pooling, a scatter-add of the gradient at the saved indices.
+Half-precision inputs are computed in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..dispatch import lowering
+from .linalg import _accumulator
+
+
+def _expand(values, n):
+    values = tuple(values)
+    return values * n if len(values) == 1 else values
+
+
+def _pool_geometry(size, k, s, p, ceil_mode):
+    """Output length of one pooled dim, as torch's ``pooling_output_shape``."""
+    span = size + 2 * p - k
+    out = (-(-span // s) if ceil_mode else span // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, n):
+    kernel = _expand(kernel_size, n)
+    stride = _expand(stride, n) if stride else kernel
+    padding = _expand(padding, n)
+    spatial = x.shape[-n:]
+    outs = [_pool_geometry(h, k, s, p, ceil_mode) for h, k, s, p in zip(spatial, kernel, stride, padding)]
+    compute = _accumulator(x.dtype)
+    lead = x.ndim - n
+    pads = [(0, 0)] * lead + [(p, max((o - 1) * s + k - h - p, 0)) for h, k, s, p, o in
+                              zip(spatial, kernel, stride, padding, outs)]
+    windows = (1,) * lead + kernel
+    strides = (1,) * lead + stride
+    total = lax.reduce_window(x.astype(compute), jnp.zeros((), compute), lax.add, windows, strides, pads)
+    total = total[(Ellipsis,) + tuple(slice(0, o) for o in outs)]
+    if divisor_override:
+        return (total / divisor_override).astype(x.dtype)
+    counts = np.ones((), np.float64)
+    for h, k, s, p, o in zip(spatial, kernel, stride, padding, outs):
+        start = np.arange(o) * s - p
+        low, high = (-p, h + p) if count_include_pad else (0, h)
+        count = np.minimum(start + k, high) - np.maximum(start, low)
+        if count_include_pad:  # windows running into the ceil-mode margin count only up to h + p
+            count = np.minimum(start + k, h + p) - start
+        counts = np.multiply.outer(counts, count)
+    return (total / jnp.asarray(counts, compute)).astype(x.dtype)
+
+
+@lowering("avg_pool2d", "avg_pool2d.out")
+def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, _listed(padding), ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@lowering("avg_pool3d", "avg_pool3d.out")
+def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+               divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, _listed(padding), ceil_mode, count_include_pad, divisor_override, 3)
+
+
+def _listed(value):
+    return (value,) if isinstance(value, int) else value
+
+
+def _avg_pool_backward(n):
+    def backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+        compute = _accumulator(self.dtype)
+
+        def forward(x):
+            return _avg_pool(x, kernel_size, stride, _listed(padding), ceil_mode, count_include_pad,
+                             divisor_override, n)
+
+        _, vjp = jax.vjp(forward, self.astype(compute))
+        return vjp(grad_output.astype(compute))[0].astype(self.dtype)
+
+    return backward
+
+
+lowering("avg_pool2d_backward", "avg_pool2d_backward.grad_input")(_avg_pool_backward(2))
+lowering("avg_pool3d_backward", "avg_pool3d_backward.grad_input")(_avg_pool_backward(3))
+
+
+def _adaptive_bounds(size, out):
+    starts = [(i * size) // out for i in range(out)]
+    ends = [-(-((i + 1) * size) // out) for i in range(out)]
+    return starts, ends
+
+
+def _adaptive_avg(x, output_size):
+    n = len(output_size)
+    compute = _accumulator(x.dtype)
+    y = x.astype(compute)
+    for axis_from_end, out in zip(range(n, 0, -1), output_size):
+        axis = x.ndim - axis_from_end
+        size = x.shape[axis]
+        starts, ends = _adaptive_bounds(size, out)
+        matrix = np.zeros((out, size))
+        for i, (a, b) in enumerate(zip(starts, ends)):
+            matrix[i, a:b] = 1.0 / (b - a)
+        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(matrix, compute), axes=([axis], [1]),
+                                       precision=lax.Precision.HIGHEST), -1, axis)
+    return y.astype(x.dtype)
+
+
+@lowering("_adaptive_avg_pool3d", "_adaptive_avg_pool3d.out")
+def adaptive_avg_pool3d(self, output_size):
+    return _adaptive_avg(self, tuple(output_size))
+
+
+@lowering("_adaptive_avg_pool3d_backward", "_adaptive_avg_pool3d_backward.out")
+def adaptive_avg_pool3d_backward(grad_output, self):
+    compute = _accumulator(self.dtype)
+    _, vjp = jax.vjp(lambda x: _adaptive_avg(x, grad_output.shape[-3:]), self.astype(compute))
+    return vjp(grad_output.astype(compute))[0].astype(self.dtype)
+
+
+def _adaptive_max(x, output_size):
+    """Separable masked maxima; indices are flat positions in each input plane (first maximum)."""
+    n = len(output_size)
+    spatial = x.shape[-n:]
+    lead = x.ndim - n
+    values = x
+    index = jnp.zeros(x.shape, jnp.int64)  # flat offset accumulated so far
+    low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype).min
+    for d, out in enumerate(output_size):
+        axis = lead + d
+        size = spatial[d]
+        starts, ends = _adaptive_bounds(size, out)
+        positions = np.arange(size)
+        mask = (positions[None, :] >= np.array(starts)[:, None]) & (positions[None, :] < np.array(ends)[:, None])
+        moved = jnp.moveaxis(values, axis, -1)[..., None, :]  # (..., 1, size)
+        moved_index = jnp.moveaxis(index, axis, -1)[..., None, :]
+        masked = jnp.where(mask, moved, jnp.asarray(low, x.dtype))
+        if jnp.issubdtype(x.dtype, jnp.inexact):  # NaN is the maximum, as on CPU
+            masked = jnp.where(mask & jnp.isnan(moved), jnp.asarray(jnp.inf, x.dtype), masked)
+        best = jnp.argmax(masked, axis=-1)
+        picked = jnp.take_along_axis(moved + jnp.zeros(masked.shape, x.dtype), best[..., None], axis=-1)[..., 0]
+        stride = math.prod(spatial[d + 1:])
+        offsets = jnp.take_along_axis(moved_index + jnp.zeros(masked.shape, jnp.int64), best[..., None],
+                                      axis=-1)[..., 0] + best.astype(jnp.int64) * stride
+        values, index = jnp.moveaxis(picked, -1, axis), jnp.moveaxis(offsets, -1, axis)
+    return values, index
+
+
+@lowering("adaptive_max_pool2d", "adaptive_max_pool2d.out")
+def adaptive_max_pool2d(self, output_size):
+    return _adaptive_max(self, tuple(output_size))
+
+
+@lowering("adaptive_max_pool3d", "adaptive_max_pool3d.out")
+def adaptive_max_pool3d(self, output_size):
+    return _adaptive_max(self, tuple(output_size))
+
+
+def _scatter_plane_gradient(grad_output, self, indices, n):
+    """Adds each output gradient at its saved flat input index, per (batch, channel) plane."""
+    plane = math.prod(self.shape[-n:])
+    lead = self.shape[:-n]
+    grad = grad_output.astype(_accumulator(self.dtype)).reshape(lead + (-1,))
+    flat = indices.reshape(lead + (-1,))
+    result = jnp.zeros(lead + (plane,), grad.dtype)
+    rows = grad.reshape(-1, grad.shape[-1])
+    result = jax.vmap(lambda r, i, g: r.at[i].add(g, mode="drop"))(
+        result.reshape(-1, plane), flat.reshape(-1, flat.shape[-1]), rows)
+    return result.reshape(self.shape).astype(self.dtype)
+
+
+@lowering("max_pool2d_with_indices_backward", "max_pool2d_with_indices_backward.grad_input")
+def max_pool2d_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_plane_gradient(grad_output, self, indices, 2)
+
+
+@lowering("max_pool3d_with_indices_backward", "max_pool3d_with_indices_backward.grad_input")
+def max_pool3d_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_plane_gradient(grad_output, self, indices, 3)
+
+
+@lowering("adaptive_max_pool2d_backward", "adaptive_max_pool2d_backward.grad_input")
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _scatter_plane_gradient(grad_output, self, indices, 2)
+
+
+@lowering("adaptive_max_pool3d_backward", "adaptive_max_pool3d_backward.grad_input")
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _scatter_plane_gradient(grad_output, self, indices, 3)
