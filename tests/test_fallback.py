@@ -14,6 +14,7 @@ from conftest import check_against_cpu
 # and an in-place one. (Real ATen ops would gain lowerings over time and stop exercising the path.)
 _library = torch.library.Library("hf_tpu_test", "DEF")
 _library.define("decomposed(Tensor x) -> Tensor")
+_library.define("decomposed.out(Tensor x, *, Tensor(a!) out) -> Tensor(a!)")
 _library.define("host_only(Tensor x) -> Tensor")
 _library.define("host_only_(Tensor(a!) x) -> Tensor(a!)")
 _library.impl("decomposed", lambda x: x * 2 + 1, "CPU")
@@ -23,12 +24,21 @@ decomposed = torch.ops.hf_tpu_test.decomposed.default
 host_only = torch.ops.hf_tpu_test.host_only.default
 host_only_ = torch.ops.hf_tpu_test.host_only_.default
 register_decomposition(decomposed)(lambda x: x * 2 + 1)
+# Like torch's decompositions that compute in a wider dtype, this one returns a new tensor, not `out`.
+register_decomposition(torch.ops.hf_tpu_test.decomposed.out)(lambda x, *, out: (x * 2 + 1).to(out.dtype))
 
 
 def test_op_with_a_decomposition_runs_through_it(monkeypatch):
     monkeypatch.delenv("HF_TPU_CPU_FALLBACK", raising=False)
     assert decomposed in decomposition_table
     check_against_cpu(decomposed, torch.linspace(-4, 4, 17))
+
+
+def test_decomposed_out_overload_fills_its_out_tensor():
+    out = torch.empty(0, dtype=torch.bfloat16, device="tpu")
+    returned = torch.ops.hf_tpu_test.decomposed.out(torch.arange(4.0, device="tpu"), out=out)
+    assert returned is out
+    assert torch.equal(out.cpu(), torch.tensor([1.0, 3.0, 5.0, 7.0], dtype=torch.bfloat16))
 
 
 def test_missing_op_error_names_the_op_and_the_cpu_fallback_switch(monkeypatch):

@@ -79,8 +79,6 @@ KNOWN_FAILURES = {
     ("special.bessel_j0", "float32"): "no lowering: jax.scipy.special.bessel_jn is NaN/wrong for some inputs",
     ("special.modified_bessel_k0", "float32"): "no lowering: JAX has no modified Bessel K",
     ("matrix_exp", "float32"): "jax.scipy.linalg.expm's Pade/scaling differs from torch's: rel error ~1e-3",
-    ("fft.ifft", "float32"): "ifft of a real input returns a lazily conjugated tensor (conj bit); the tpu "
-                             "copy to CPU (memory.py copy_/_to_copy) ignores the conj bit",
     ("sort", "bfloat16"): "bfloat16 input with many ties: CPU's sort order among equal keys differs (indices)",
     ("topk", "bfloat16"): "bfloat16 input with ties: CPU picks different indices among equal values",
     ("nn.functional.conv_transpose2d", "bfloat16"): "CPU's bfloat16 transposed conv rounds partial sums to "

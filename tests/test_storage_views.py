@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_same
+from conftest import assert_same, check_against_cpu
 
 VIEWS = {
     "view": lambda t: t.view(3, 8),
@@ -243,3 +243,15 @@ def test_save_and_reload_tiny_tied_model(tmp_path):
     assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
     for name, tensor in reloaded.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_lazily_conjugated_and_negated_views_read_and_write_as_on_cpu():
+    values = torch.randn(2, 3, dtype=torch.complex64)
+
+    def touch(tensor):
+        conjugated = tensor.conj()
+        read = (conjugated * 2, torch._neg_view(tensor) + 1, conjugated.resolve_conj())
+        conjugated[0].copy_(torch.full((3,), 1 + 2j))
+        return read + (tensor,)
+
+    check_against_cpu(lambda tensor: touch(tensor.clone()), values)

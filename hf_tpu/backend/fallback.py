@@ -49,13 +49,29 @@ def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
         if decomposition is None:
             return _last_resort(op, args, kwargs)
         try:
-            return decomposition(*args, **kwargs)
+            return _into_out_arguments(op, kwargs, decomposition(*args, **kwargs))
         except NotImplementedError:
             if not cpu_fallback_enabled():
                 raise
             return _on_cpu(op, args, kwargs)
     finally:
         running.discard(name)
+
+
+def _into_out_arguments(op: torch._ops.OpOverload, kwargs: dict, result: Any) -> Any:
+    """Makes an ``out=`` overload's result land in its ``out`` tensors: some decompositions (those that
+    compute in a wider dtype, e.g. bfloat16 padding) return a new tensor and leave ``out`` untouched."""
+    names = [a.name for a in op._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
+    if not names:
+        return result
+    outs = [kwargs[name] for name in names]
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for out, value in zip(outs, results):
+        if value is not out:
+            if out.shape != value.shape:
+                out.resize_(value.shape)
+            out.copy_(value)
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _last_resort(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:

@@ -126,23 +126,38 @@ def buffer_of(tensor: torch.Tensor) -> Buffer:
 
 
 def is_whole(tensor: torch.Tensor, buffer: Buffer) -> bool:
+    """Whether the tensor is its storage's array as is: same dtype, all of it, in order, no lazy
+    conjugation or negation (``Tensor.conj()``/``_neg_view`` set bits instead of computing)."""
     return (
         tensor.dtype == buffer.dtype
         and tensor.storage_offset() == 0
         and tensor.numel() == buffer.numel
         and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
     )
 
 
 def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:
     """What :func:`view_of` needs to take ``tensor``'s view of its storage array (hashable)."""
-    return (buffer.dtype, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+    return (
+        buffer.dtype, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+        tensor.is_conj(), tensor.is_neg(),
+    )
 
 
 def view_of(array: Any, geometry: tuple) -> Any:
     """Traceable: the view ``geometry`` of a storage array."""
-    _, dtype, size, stride, offset = geometry
-    return strided.read(_reinterpret(array.reshape(-1), dtypes.to_jax(dtype)), size, stride, offset)
+    _, dtype, size, stride, offset, conjugated, negated = geometry
+    values = strided.read(_reinterpret(array.reshape(-1), dtypes.to_jax(dtype)), size, stride, offset)
+    return _apply_bits(values, conjugated, negated)
+
+
+def _apply_bits(values: Any, conjugated: bool, negated: bool) -> Any:
+    """Applies a tensor's lazy conjugate and negative bits (each is its own inverse)."""
+    if conjugated:
+        values = jnp.conj(values)
+    return -values if negated else values
 
 
 def read(tensor: torch.Tensor) -> Any:
@@ -215,12 +230,13 @@ def _view_reader(geometry: tuple):
 
 @functools.cache
 def _view_writer(geometry: tuple):
-    storage_dtype, dtype, size, stride, offset = geometry
+    storage_dtype, dtype, size, stride, offset, conjugated, negated = geometry
     target, storage_target = dtypes.to_jax(dtype), dtypes.to_jax(storage_dtype)
 
     def write_view(array, value):
         flat = _reinterpret(array.reshape(-1), target)
-        flat = strided.write(flat, value.astype(target), size, stride, offset)
+        value = _apply_bits(value.astype(target), conjugated, negated)
+        flat = strided.write(flat, value, size, stride, offset)
         return _reinterpret(flat, storage_target).reshape(array.shape)
 
     return jax.jit(write_view)
