@@ -54,6 +54,8 @@ special.i0e special.i1 special.ndtri special.log_ndtr special.erfcx special.entr
 special.chebyshev_polynomial_t special.hermite_polynomial_h special.legendre_polynomial_p special.bessel_j0
 special.modified_bessel_k0 igamma nextafter frexp logit mvlgamma.mvlgamma_p_3 angle
 index_reduce.amax put histogram nn.functional.embedding_bag nn.functional.ctc_loss cdist
+index_reduce.amin index_reduce.prod index_reduce.mean nn.functional.pdist _segment_reduce.lengths
+_segment_reduce.offsets
 """.split()
 
 BFLOAT16 = """
@@ -67,13 +69,8 @@ nn.functional.interpolate.bilinear median kthvalue lgamma
 
 # (OpInfo, dtype) -> why it fails today. Strict xfails: a fix makes the case XPASS and fail.
 KNOWN_FAILURES = {
-    ("histc", "float32"): "no lowering for aten::histc",
     ("histogram", "float32"): "no lowering for aten::histogram.bin_ct",
-    ("put", "float32"): "no lowering for aten::put_",
-    ("index_reduce.amax", "float32"): "no lowering for aten::index_reduce",
-    ("nn.functional.embedding_bag", "float32"): "no lowering for aten::_embedding_bag_forward_only",
     ("nn.functional.ctc_loss", "float32"): "no lowering for aten::_ctc_loss",
-    ("cdist", "float32"): "no lowering for aten::_cdist_forward",
     ("linalg.eig", "float32"): "no lowering for aten::linalg_eig (complex results of a real input)",
     ("linalg.lstsq", "float32"): "no lowering for aten::linalg_lstsq",
     ("special.bessel_j0", "float32"): "no lowering: jax.scipy.special.bessel_jn is NaN/wrong for some inputs",

@@ -212,6 +212,39 @@ def index_fill(self, dim, index, value):
     return target.set(jnp.asarray(value).astype(self.dtype))
 
 
+@lowering("index_reduce", "index_reduce_", "index_reduce.out")
+@_as_vector
+def index_reduce(self, dim, index, source, reduce, include_self=True):
+    """Reduces slices of ``source`` into ``self`` at ``index`` along ``dim`` (prod, mean, amax or amin)."""
+    if reduce not in ("prod", "mean", "amax", "amin"):
+        raise RuntimeError(f"index_reduce(): Expected reduce to be one of prod, mean, amax or amin, got {reduce}.")
+    target, axis = _index_along(self, dim, index)
+    values = _source_for(self, axis, index, source)
+    if not include_self:
+        target = target.set(_identity(reduce, self.dtype))
+        target, _ = _index_along(target, dim, index)
+    if reduce == "prod":
+        return target.multiply(values)
+    if reduce == "amax":
+        return target.max(values)
+    if reduce == "amin":
+        return target.min(values)
+    counts, _ = _index_along(jnp.full(self.shape, int(include_self), self.dtype), dim, index)
+    counts = jnp.maximum(counts.add(jnp.ones((), self.dtype)), jnp.ones((), self.dtype))
+    total = target.add(values)
+    return total / counts if jnp.issubdtype(self.dtype, jnp.inexact) else total // counts
+
+
+@lowering("put", "put_", "put.out")
+def put(self, index, source, accumulate=False):
+    """Writes ``source`` into the flattened ``self`` at ``index`` (negative counts from the end)."""
+    flat = self.reshape(-1)
+    index = index.reshape(-1)
+    target = flat.at[jnp.where(index < 0, index + flat.size, index)]
+    values = source.reshape(-1).astype(self.dtype)
+    return (target.add(values) if accumulate else target.set(values)).reshape(self.shape)
+
+
 def _scatter_positions(index, dim):
     """Full coordinates for scatter/gather: ``index`` along ``dim``, the element's own position elsewhere."""
     axis = dim % index.ndim

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..dispatch import lowering
@@ -306,3 +307,29 @@ def matrix_exp(self):
     compute = _accumulator(self.dtype)
     flat = self.astype(compute).reshape((-1,) + self.shape[-2:])
     return _hp(jax.vmap(jax.scipy.linalg.expm), flat).reshape(self.shape).astype(self.dtype)
+
+
+def _p_norm(diff, p):
+    """The ``p``-norm over the last dim of ``diff`` (p = 0 counts nonzeros; p = inf is the max)."""
+    if p == 0:
+        return jnp.sum(diff != 0, axis=-1).astype(diff.dtype)
+    if p == float("inf"):
+        return jnp.max(diff, axis=-1, initial=0).astype(diff.dtype)
+    if p == 1:
+        return jnp.sum(diff, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+    return jnp.sum(diff ** p, axis=-1) ** (1 / p)
+
+
+@lowering("_cdist_forward", "_cdist_forward.out")
+def cdist(x1, x2, p, compute_mode=None):
+    """``p``-norm distances between the rows of ``x1`` (..., P, M) and ``x2`` (..., R, M)."""
+    return _p_norm(jnp.abs(x1[..., :, None, :] - x2[..., None, :, :]), p)
+
+
+@lowering("_pdist_forward", "_pdist_forward.out")
+def pdist(self, p=2.0):
+    """``p``-norm distances between the rows ``i < j`` of ``self`` (N, M), in row-major pair order."""
+    first, second = np.triu_indices(self.shape[0], 1)
+    return _p_norm(jnp.abs(self[first] - self[second]), p)

@@ -190,6 +190,37 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0, mode="clip")
 
 
+@lowering("_embedding_bag", "_embedding_bag.out", "_embedding_bag_forward_only", "_embedding_bag_forward_only.out")
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False, per_sample_weights=None,
+                  include_last_offset=False, padding_idx=-1):
+    """Sums (mode 0), means (1) or maxes (2) of ``weight`` rows per bag; bag ``b`` starts at ``offsets[b]``
+    (with ``include_last_offset`` the last bag still runs to the end of ``indices``, as on CPU).
+
+    Returns the bags, each index's bag, each bag's size (``padding_idx`` rows left out) and, for max,
+    the weight row each maximum came from (the bag sizes otherwise).
+    """
+    bags = offsets.shape[0] - int(include_last_offset)
+    positions = jnp.arange(indices.shape[0])
+    offset2bag = jnp.searchsorted(offsets[:bags], positions, side="right").astype(jnp.int64) - 1
+    keep = indices != padding_idx
+    segment = jnp.where(keep, offset2bag, bags)
+    rows = jnp.take(weight, indices, axis=0, mode="clip")
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    bag_size = jax.ops.segment_sum(keep.astype(jnp.int64), segment, bags)
+    if mode == 2:
+        maxima = jax.ops.segment_max(rows, segment, bags)
+        output = jnp.where(bag_size[:, None] > 0, maxima, jnp.zeros((), weight.dtype))
+        found = rows == output[jnp.minimum(segment, bags - 1)]
+        first = jax.ops.segment_min(jnp.where(found, positions[:, None], indices.shape[0]), segment, bags)
+        max_indices = jnp.where(bag_size[:, None] > 0, indices[jnp.minimum(first, indices.shape[0] - 1)], 0)
+        return output, offset2bag, bag_size, max_indices.astype(jnp.int64)
+    output = jax.ops.segment_sum(_upcast(rows), segment, bags)
+    if mode == 1:
+        output = output / jnp.maximum(bag_size, 1)[:, None].astype(output.dtype)
+    return output.astype(weight.dtype), offset2bag, bag_size, bag_size
+
+
 @lowering("embedding_dense_backward", "embedding_dense_backward.out")
 def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
     flat = indices.reshape(-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -496,3 +497,65 @@ def logcumsumexp(self, dim):
     if d is None or self.size == 0:
         return x.astype(out)
     return lax.associative_scan(jnp.logaddexp, x, axis=d).astype(out)
+
+
+@lowering("histc", "histc.out", static=("min", "max"))
+def histc(self, bins=100, min=0, max=0):
+    """Counts of ``self`` in ``bins`` equal bins over [min, max]; min == max means the data's range.
+
+    Bin positions are computed in ``self``'s dtype, as CPU does (integers in float64).
+    """
+    if self.size == 0:
+        return jnp.zeros((bins,), self.dtype)
+    x = self.reshape(-1)
+    x = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float64)
+    if min == max:
+        lo, hi = jnp.min(x), jnp.max(x)
+        same = lo == hi
+        lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    else:
+        lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    position = jnp.minimum(jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int64), bins - 1)
+    slots = jnp.where((x >= lo) & (x <= hi), position, bins)
+    return jnp.zeros((bins,), self.dtype).at[slots].add(jnp.ones((), self.dtype), mode="drop")
+
+
+_SEGMENT_REDUCERS = {"sum": jax.ops.segment_sum, "mean": jax.ops.segment_sum, "prod": jax.ops.segment_prod,
+                     "max": jax.ops.segment_max, "min": jax.ops.segment_min}
+
+
+@lowering("segment_reduce", "segment_reduce.out")
+def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    """Reduces consecutive segments of ``data`` along ``axis`` given by ``lengths`` or ``offsets``.
+
+    ``lengths``/``offsets`` may carry the leading dims of ``data`` (one segmentation per leading
+    index). Empty segments give ``initial`` or the reduction's identity (NaN for mean); ``initial``
+    also joins every non-empty segment.
+    """
+    if reduce not in _SEGMENT_REDUCERS:
+        raise RuntimeError(f"reduce argument must be either sum, mean, max, min or prod, got {reduce}")
+    if offsets is None:
+        ends = jnp.cumsum(lengths, axis=-1)
+        offsets = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends], axis=-1)
+    axis %= data.ndim
+    lead, size, rest = data.shape[:axis], data.shape[axis], data.shape[axis + 1:]
+    segments = offsets.shape[-1] - 1
+    starts = offsets.reshape(-1, segments + 1)[:, 1:]
+    position = jnp.arange(size)
+    # Element j of leading index b lies in the segment counted by the ends at or before it.
+    ids = jnp.sum(starts[:, None, :] <= position[None, :, None], axis=-1)
+    ids = jnp.broadcast_to(ids, (math.prod(lead), size)) + jnp.arange(math.prod(lead))[:, None] * (segments + 1)
+    flat = data.reshape((math.prod(lead) * size,) + rest).astype(_opmath(data.dtype))
+    total = math.prod(lead) * (segments + 1)
+    result = _SEGMENT_REDUCERS[reduce](flat, ids.reshape(-1), total)
+    counts = jax.ops.segment_sum(jnp.ones(flat.shape[:1], jnp.int64), ids.reshape(-1), total)
+    counts = counts.reshape((-1,) + (1,) * len(rest))
+    if initial is not None:
+        start = jnp.asarray(initial, flat.dtype)
+        result = {"sum": result + start, "mean": result + start, "prod": result * start,
+                  "max": jnp.maximum(result, start), "min": jnp.minimum(result, start)}[reduce]
+    if reduce == "mean":
+        result = result / jnp.maximum(counts, 1).astype(flat.dtype)
+        result = jnp.where(counts > 0, result, jnp.asarray(jnp.nan if initial is None else initial, flat.dtype))
+    result = result.reshape(lead + (segments + 1,) + rest)
+    return lax.slice_in_dim(result, 0, segments, axis=axis).astype(data.dtype)
