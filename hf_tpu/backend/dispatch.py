@@ -251,7 +251,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, defaulted, views, _ = key
+        static_values, _, defaulted, views, _ = key
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
             slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
         ]
@@ -299,8 +299,10 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 elif value is not None:
                     value = _scalar_array(value)
                 dynamic.append(value)
+        static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
         key = (
-            tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else (),
+            static_values,
+            tuple(map(type, static_values)),  # 4 == 4.0 == True, but arange(4) and arange(4.0) differ
             tuple(defaulted),
             tuple(reader.views) if reader.views else (),
             torch.get_default_dtype(),  # type promotion of Python floats depends on it
