@@ -40,24 +40,10 @@ def _scaled_sum(self, product, beta, alpha, dtype):
     return result.astype(dtype)
 
 
-@lowering("mm", "mm.out")
-def mm(self, mat2):
-    return _matmul(self, mat2).astype(self.dtype)
-
-
-@lowering("bmm", "bmm.out")
-def bmm(self, mat2):
-    return _matmul(self, mat2).astype(self.dtype)
-
-
-@lowering("mv", "mv.out")
-def mv(self, vec):
-    return _matmul(self, vec).astype(self.dtype)
-
-
-@lowering("dot", "dot.out")
-def dot(self, tensor):
-    return _matmul(self, tensor).astype(self.dtype)
+@lowering("mm", "mm.out", "bmm", "bmm.out", "mv", "mv.out", "dot", "dot.out")
+def matmul(self, other):
+    """mm, bmm, mv and dot: one product each, in the inputs' dtype (accumulated in float32 for halves)."""
+    return _matmul(self, other).astype(self.dtype)
 
 
 @lowering("vdot", "vdot.out")
