@@ -45,6 +45,7 @@ def register() -> None:
                 f"PrivateUse1 is already renamed to {name!r} (another backend such as torchax is loaded); "
                 "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
             )
+        from .. import integrations
         from . import autocast, device_module, fallback
 
         if name != "tpu":
@@ -61,6 +62,7 @@ def register() -> None:
         _patch_storage_constructor()
         _install_host_pinning()
         _guard_autograd_devices()
+        integrations.install()
         _registered = True
 
 

@@ -1,0 +1,79 @@
+"""Hooks into the Hugging Face libraries, applied when (and only if) a library is imported.
+
+``import torch`` must stay fast, so nothing here imports transformers, diffusers or accelerate.
+:func:`when_imported` runs a callback right after a module finishes importing (or at once if it
+already has); each integration module registers its patches that way from :func:`install`.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import threading
+from typing import Any, Callable
+
+_pending: dict[str, list[Callable[[Any], None]]] = {}
+_lock = threading.RLock()
+
+# module name -> integration module (in this package) whose ``install(module)`` patches it
+INTEGRATIONS: dict[str, str] = {}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of a watched module so that its callbacks run after it executes."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _pending:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader)
+        return spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        _run_callbacks(module.__name__)
+
+
+_finder = _Finder()
+
+
+def _run_callbacks(name: str) -> None:
+    with _lock:
+        callbacks = _pending.pop(name, [])
+    for callback in callbacks:
+        callback(sys.modules[name])
+
+
+def when_imported(name: str, callback: Callable[[Any], None]) -> None:
+    """Calls ``callback(module)`` once module ``name`` is imported: now if it already is, else right
+    after its import finishes. Exceptions raised by the callback propagate to the importer."""
+    with _lock:
+        if name not in sys.modules:
+            _pending.setdefault(name, []).append(callback)
+            if _finder not in sys.meta_path:
+                sys.meta_path.insert(0, _finder)
+            return
+    callback(sys.modules[name])
+
+
+def install() -> None:
+    """Registers every integration of :data:`INTEGRATIONS` to run when its library is imported."""
+    import importlib
+
+    for module_name, integration in INTEGRATIONS.items():
+        when_imported(module_name, importlib.import_module(f"{__name__}.{integration}").install)
