@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..compile.stats import compile_stats, reset_compile_stats  # noqa: F401  (torch.tpu.compile_stats)
 from . import allocator as _stats
 from . import random_state, runtime
 

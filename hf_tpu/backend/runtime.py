@@ -3,6 +3,8 @@
 ``HF_TPU_PLATFORM`` picks the JAX platform: ``auto`` (default: TPU chips when libtpu finds
 them, otherwise JAX's default platform, GPU or CPU, as a stand-in), ``tpu``, ``gpu`` or ``cpu``.
 ``HF_TPU_NUM_DEVICES=N`` gives N virtual chips on a CPU host (``tpu:0`` .. ``tpu:N-1``).
+``HF_TPU_CACHE_DIR`` is where compiled XLA programs persist across processes (see
+:func:`compilation_cache_dir`).
 
 Nothing here imports JAX until a device is first needed, so ``import torch`` stays fast.
 """
@@ -41,6 +43,28 @@ def requested_device_count() -> int | None:
     return count
 
 
+def compilation_cache_dir() -> str | None:
+    """The persistent XLA compilation cache: ``HF_TPU_CACHE_DIR``, by default ``hf_tpu/xla`` in the
+    user's cache directory (``$XDG_CACHE_HOME`` or ``~/.cache``); ``off`` (or empty) turns it off."""
+    value = os.environ.get("HF_TPU_CACHE_DIR")
+    if value is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "hf_tpu", "xla")
+    return None if value.strip().lower() in ("", "0", "off", "none", "false") else os.path.expanduser(value)
+
+
+def _enable_compilation_cache(jax: Any) -> None:
+    """Every program (eager operators and compiled graphs) goes to the on-disk cache, however quick
+    its compilation: a second process then skips XLA compilation. A cache directory the user set
+    for JAX itself is kept."""
+    directory = compilation_cache_dir()
+    if directory is None or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 @functools.cache
 def jax_module() -> Any:
     """Imports and configures JAX for hf_tpu (64-bit types on, virtual CPU devices if asked)."""
@@ -51,6 +75,7 @@ def jax_module() -> Any:
 
     # int64 and float64 tensors must keep their width; every lowering passes dtypes explicitly.
     jax.config.update("jax_enable_x64", True)
+    _enable_compilation_cache(jax)
     if count is not None:
         try:
             jax.config.update("jax_num_cpu_devices", count)

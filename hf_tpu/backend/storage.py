@@ -28,6 +28,11 @@ _CHIP_0 = torch.device("tpu", 0)
 _latest: dict[int, Any] = {}  # the newest array per device: waiting on it waits on all queued work
 
 
+def is_latest(array: Any) -> bool:
+    """Whether ``array`` is the newest array of its device (which :func:`wait_for_pending` holds)."""
+    return any(latest is array for latest in _latest.values())
+
+
 def wait_for_pending(device_index: int) -> None:
     array = _latest.get(device_index)
     if array is not None:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from typing import Any, Callable
 
 import torch
 from torch._decomp import decomposition_table
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
 
-from . import graph_lowering
+from . import graph_lowering, recompiles
+from .stats import count
 
 
 @functools.cache
@@ -23,8 +27,22 @@ def _decompositions() -> dict[Any, Callable]:
     }
 
 
+_warned: set[str] = set()
+
+
 def _lower(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    return graph_lowering.lower(graph_module)
+    """One XLA program for the graph, or, if an operator has no graph-mode lowering, the graph run
+    eagerly op by op (each op still on the device) after a one-time warning naming the operator."""
+    try:
+        return graph_lowering.lower(graph_module)
+    except NotImplementedError as error:
+        if os.environ.get("HF_TPU_STRICT_COMPILE", "") == "1":
+            raise
+        if str(error) not in _warned:
+            _warned.add(str(error))
+            warnings.warn(f"{error}; this graph runs in eager mode (HF_TPU_STRICT_COMPILE=1 makes this an error)")
+        count("fallbacks")
+        return make_boxed_func(graph_module)
 
 
 def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -33,6 +51,7 @@ def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list) -> C
     Input mutations stay in the inference graph (``keep_inference_input_mutations``, e.g. a
     StaticCache's ``index_copy_``) and are written back to the caller's tensors after each run.
     """
+    recompiles.enable_dynamo_log()
     backend = aot_autograd(
         fw_compiler=_lower,
         bw_compiler=_lower,

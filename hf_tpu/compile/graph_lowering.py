@@ -11,16 +11,22 @@ into a graph input) come out of the program as extra results and are written to 
 from __future__ import annotations
 
 import functools
+import itertools
+import sys
+import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from torch import fx
 
-from ..backend import dispatch, dtypes, runtime, storage
+from ..backend import dispatch, dtypes, random_state, runtime, storage
 from ..backend.ops.memory import to_device
 from .graph_ops import GRAPH_LOWERINGS
+from . import recompiles
+from .graph_random import RANDOM_LOWERINGS
 from .stats import count
 
 _SCALAR_TYPES = ("number", "Optional[number]", "List[number]")
@@ -35,7 +41,7 @@ def _eager_lowerings() -> dict[torch._ops.OpOverload, dispatch.Lowering]:
 
 def lowered_ops() -> frozenset[torch._ops.OpOverload]:
     """The ATen overloads graph mode can lower."""
-    return frozenset(GRAPH_LOWERINGS) | frozenset(_eager_lowerings())
+    return frozenset(GRAPH_LOWERINGS) | frozenset(RANDOM_LOWERINGS) | frozenset(_eager_lowerings())
 
 
 def _frozen(value: Any) -> Any:
@@ -119,7 +125,27 @@ class _PythonStep:
         return self.node.target(*args, **{k: _materialize(_frozen(v), env) for k, v in self.node.kwargs.items()})
 
 
-def _step(node: fx.Node) -> _Step | _PythonStep:
+class _RandomStep(_Step):
+    """A random op node: its lowering also takes the ``[seed, offset]`` pair at ``slot`` of the graph's
+    RNG input (see :mod:`.graph_random`) and the dtype of its result."""
+
+    __slots__ = ("slot", "dtype")
+
+    def __init__(self, node: fx.Node, fn: Callable, slot: int) -> None:
+        super().__init__(node, fn, None)
+        self.slot = slot
+        value = node.meta["val"]
+        self.dtype = dtypes.to_jax((value[0] if isinstance(value, (tuple, list)) else value).dtype)
+
+    def run(self, env: dict) -> Any:
+        call = [_materialize(value, env) for value in self.arguments]
+        return self.fn(env[_RNG][self.slot], self.dtype, *call)
+
+
+_RNG = "rng"  # the env entry of the RNG input: one [seed, offset] row per random node
+
+
+def _step(node: fx.Node, random_nodes: list[fx.Node]) -> _Step | _PythonStep:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         if getattr(target, "__module__", None) == "_operator":
@@ -127,6 +153,9 @@ def _step(node: fx.Node) -> _Step | _PythonStep:
         raise NotImplementedError(f"tpu graph mode: no lowering for {target}")
     if target in GRAPH_LOWERINGS:
         return _Step(node, GRAPH_LOWERINGS[target], None)
+    if target in RANDOM_LOWERINGS:
+        random_nodes.append(node)
+        return _RandomStep(node, RANDOM_LOWERINGS[target], len(random_nodes) - 1)
     entry = _eager_lowerings().get(target)
     if entry is None:
         raise NotImplementedError(f"tpu graph mode: no lowering for the operator {target.name()}")
@@ -149,7 +178,11 @@ def _check_on_device(node: fx.Node) -> None:
 
 
 class CompiledGraph:
-    """A boxed callable (``fn(list_of_inputs)``) that runs one ATen graph as one jitted XLA program."""
+    """A boxed callable (``fn(list_of_inputs)``) that runs one ATen graph as one jitted XLA program.
+
+    Mutated graph inputs that are whole device arrays nobody else holds are donated to the program,
+    so XLA updates them in place (a StaticCache's layers, optimizer state) instead of keeping a copy.
+    """
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
@@ -160,7 +193,8 @@ class CompiledGraph:
         constants = [n for n in graph_module.graph.nodes if n.op == "get_attr"]
         self._constant_nodes = constants
         self._constants = [getattr(graph_module, n.target) for n in constants]
-        self._steps = [_step(n) for n in graph_module.graph.nodes if n.op == "call_function"]
+        self._random_nodes: list[fx.Node] = []
+        self._steps = [_step(n, self._random_nodes) for n in graph_module.graph.nodes if n.op == "call_function"]
         mutated = {}
         for node in graph_module.graph.nodes:
             if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
@@ -171,14 +205,30 @@ class CompiledGraph:
         self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node)]
         for node in self._tensor_outputs:
             _check_on_device(node)
-        self._jitted = jax.jit(self._trace, static_argnums=0)
+        self._programs: dict[tuple[int, ...], Callable] = {}
+        self._signature: tuple | None = None
+        self._traced = False
+        self.name = f"graph {next(_graph_numbers)}"
         self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
         count("graphs")
 
-    def _trace(self, static_values: tuple, *arrays: Any) -> tuple[tuple, tuple]:
-        count("traces")
+    def _program(self, donated: tuple[int, ...]) -> Callable:
+        """The jitted program that donates the arrays at positions ``donated`` of the tensor inputs."""
+        program = self._programs.get(donated)
+        if program is None:
+            donate = tuple(2 + position for position in donated)
+            program = self._programs[donated] = jax.jit(self._trace, static_argnums=0, donate_argnums=donate)
+        return program
+
+    def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple]:
+        self._traced = True
+        signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
+        if self._signature is not None:
+            recompiles.log_retrace(self.name, self._signature, signature)
+        self._signature = signature
         env = dict(zip(self._static_nodes, static_values))
         env.update(zip(self._tensor_nodes + self._constant_nodes, arrays))
+        env[_RNG] = rng
         for step in self._steps:
             env[step.node] = step.run(env)
         return tuple(env[n] for n in self._tensor_outputs), tuple(env[n] for n in self._mutation_nodes)
@@ -189,14 +239,49 @@ class CompiledGraph:
         args.clear()  # boxed convention: inputs (saved activations in backward) may die early
         device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
         arrays = [_read(t, device_index) for t in tensors + self._constants]
-        outputs, written = self._jitted(static_values, *arrays)
+        program = self._program(self._donatable(tensors, arrays))
+        rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
+        self._traced, loads, start = False, recompiles.disk_cache_hits(), time.perf_counter()
+        outputs, written = program(static_values, rng, *arrays)
+        if self._traced:
+            count("compilations")
+            count("compile_seconds", time.perf_counter() - start)
+            count("disk_cache_hits", recompiles.disk_cache_hits() - loads)
+        else:
+            count("cache_hits")
         count("calls")
+        del arrays
         for position, value in zip(self._mutated_inputs, written):
             storage.write(tensors[position], value)
-        if not arrays:  # a graph of factories only: its results go to the chip, not JAX's default device
+        if not tensors and not self._constants:  # factories only: results go to the chip, not JAX's default
             outputs = jax.device_put(outputs, runtime.device(device_index))
         results = iter(outputs)
         return [_wrap(next(results), device_index) if isinstance(o, fx.Node) else o for o in self._outputs]
+
+    def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
+        """The mutated inputs whose array can be given to the program: the storage's whole array, held
+        by nothing but its storage (and the newest-array record), passed to the program only once."""
+        donated = []
+        for position in self._mutated_inputs:
+            tensor, array = tensors[position], arrays[position]
+            if tensor.device.type != "tpu" or storage.buffer_of(tensor).array is not array:
+                continue
+            references = sys.getrefcount(array) - storage.is_latest(array)
+            if references <= _OWNED_REFERENCES and sum(a is array for a in arrays) == 1:
+                donated.append(position)
+        return tuple(donated)
+
+
+# References to a storage's array while _donatable looks at it: the storage, the arrays list, the
+# loop variable and getrefcount's argument. More means someone else (another storage) holds it.
+_OWNED_REFERENCES = 4
+_graph_numbers = itertools.count(1)
+
+
+def _rng_parts(count: int, device_index: int) -> Any:
+    """``count`` consecutive ``[seed, offset]`` pairs of the device's random stream, on the device."""
+    parts = [random_state.next_key_parts(device_index) for _ in range(count)]
+    return jax.device_put(np.array(parts, np.uint64), runtime.device(device_index))
 
 
 def _read(tensor: torch.Tensor, device_index: int) -> Any:

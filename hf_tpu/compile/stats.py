@@ -1,21 +1,39 @@
-"""Counters of graph-mode work (JAX-free), for tests and benchmarks."""
+"""Counters of graph-mode work (JAX-free), for users, tests and benchmarks."""
 
 from __future__ import annotations
 
-_STATS = {"graphs": 0, "traces": 0, "calls": 0}
+import threading
 
-
-def count(name: str) -> None:
-    _STATS[name] += 1
-
-
-def compile_stats() -> dict[str, int]:
-    """``graphs``: ATen graphs lowered; ``traces``: times ``jax.jit`` traced one of them (once per
-    graph and input shape); ``calls``: runs of a lowered graph, each one jitted XLA program."""
-    return dict(_STATS)
+_lock = threading.Lock()
+_STATS: dict[str, float] = {}
 
 
 def reset_compile_stats() -> None:
     """Sets every counter of :func:`compile_stats` back to zero."""
-    for name in _STATS:
-        _STATS[name] = 0
+    with _lock:
+        _STATS.update(
+            graphs=0, compilations=0, cache_hits=0, disk_cache_hits=0, calls=0, compile_seconds=0.0, fallbacks=0
+        )
+
+
+reset_compile_stats()
+
+
+def count(name: str, amount: float = 1) -> None:
+    with _lock:
+        _STATS[name] += amount
+
+
+def compile_stats() -> dict[str, float]:
+    """What graph mode has done since the start (or :func:`reset_compile_stats`).
+
+    - ``graphs``: ATen graphs (forward or backward) lowered to a JAX function;
+    - ``compilations``: XLA programs built, one per lowered graph and input signature (shapes, dtypes,
+      static sizes); a program loaded from the on-disk cache counts here and in ``disk_cache_hits``;
+    - ``cache_hits``: runs of an already built program;
+    - ``compile_seconds``: wall time of the runs that built a program (tracing and XLA compilation);
+    - ``calls``: runs of a lowered graph (``compilations + cache_hits``);
+    - ``fallbacks``: graphs with an operator graph mode cannot lower, run eagerly op by op instead.
+    """
+    with _lock:
+        return dict(_STATS)
