@@ -17,7 +17,9 @@ _pending: dict[str, list[Callable[[Any], None]]] = {}
 _lock = threading.RLock()
 
 # module name -> integration module (in this package) whose ``install(module)`` patches it
-INTEGRATIONS: dict[str, str] = {}
+INTEGRATIONS: dict[str, str] = {
+    "accelerate": "accelerate",
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
