@@ -34,3 +34,10 @@ def test_bessel_float64(name):
 
 def test_bessel_of_integers_is_float():
     check_against_cpu(torch.special.bessel_j0, torch.arange(-3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_trigamma_near_poles(dtype):
+    """polygamma(1, x) near the poles at non-positive integers, where the reflection's rounding shows."""
+    x = torch.cat([torch.linspace(-10, 10, 2001), torch.tensor([-3.973021984100342, 1e-30, 1e30] + EDGES[:3])])
+    check_against_cpu(lambda t: torch.polygamma(1, t), x.to(dtype), atol=1e-5, rtol=1.3e-5, equal_nan=True)

@@ -73,12 +73,28 @@ _unary(("sinc",), jnp.sinc)
 _unary(("special_spherical_bessel_j0",), _spherical_bessel_j0)
 
 
+def _trigamma(x):
+    """``polygamma(1, x)`` as torch computes it: reflection ``pi**2 / sin(pi x)**2 - trigamma(1 - x)``
+    below 1/2 (so near the poles the rounding of ``pi * x`` shows as on CPU), six steps of the
+    recurrence, then the asymptotic series."""
+    reflect = x < 0.5
+    sin_pi_x = jnp.sin(math.pi * x)
+    y = jnp.where(reflect, 1 - x, x)
+    result = sum(1 / ((y + i) * (y + i)) for i in range(6))
+    y = y + 6
+    inverse_square = 1 / (y * y)
+    result = result + (1 + 1 / (2 * y) + inverse_square * (1 / 6 - inverse_square * (1 / 30 - inverse_square / 42))) / y
+    return jnp.where(reflect, math.pi ** 2 / (sin_pi_x * sin_pi_x) - result, result)
+
+
 @lowering("polygamma", "polygamma.out")
 def polygamma(n, self):
     if n < 0:
         raise RuntimeError("polygamma(n, x) does not support negative n.")
     if n == 0:
         return _math(_digamma, _float_result(self), self)
+    if n == 1:
+        return _math(_trigamma, _float_result(self), self)
     sign = 1.0 if n % 2 else -1.0
     factorial = math.factorial(n)
     return _math(lambda x: sign * factorial * _zeta(jnp.asarray(n + 1, x.dtype), x), _float_result(self), self)
