@@ -367,8 +367,9 @@ class Table:
 
             libraries: dict[str, torch.library.Library] = {}
             installed = set()
-            kernels = list(CUSTOM_KERNELS.items()) + [
+            kernels = list(CUSTOM_KERNELS.items()) + [  # a hand-written kernel serves eager; its lowering, graphs
                 (name, build_kernel(resolve(name), entry)) for name, entry in LOWERINGS.items()
+                if name not in CUSTOM_KERNELS
             ]
             for name, fn in kernels:
                 op = resolve(name)
