@@ -46,6 +46,7 @@ def register() -> None:
                 "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
             )
         from .. import integrations
+        from ..compile import install_default_backend
         from . import autocast, device_module, fallback
 
         if name != "tpu":
@@ -63,6 +64,7 @@ def register() -> None:
         _install_host_pinning()
         _guard_autograd_devices()
         integrations.install()
+        install_default_backend()
         _registered = True
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .stats import compile_stats, reset_compile_stats
 
 
@@ -21,4 +23,25 @@ def tpu_backend(graph_module: Any, example_inputs: list) -> Any:
     return compile_graph(graph_module, example_inputs)
 
 
-__all__ = ["compile_stats", "reset_compile_stats", "tpu_backend"]
+def _on_tpu(inputs: list) -> bool:
+    return any(isinstance(value, torch.Tensor) and value.device.type == "tpu" for value in inputs)
+
+
+def install_default_backend() -> None:
+    """Makes ``torch.compile(fn)`` without a backend (that is, Inductor) compile graphs whose inputs
+    are on tpu with :func:`tpu_backend`; graphs on CPU or CUDA inputs still go to Inductor."""
+    inductor = torch._TorchCompileInductorWrapper
+    if getattr(inductor.__call__, "_hf_tpu", False):
+        return
+    compile_with_inductor = inductor.__call__
+
+    def compile_graph(self: Any, model: Any, inputs: list, **kwargs: Any) -> Any:
+        if _on_tpu(inputs):
+            return tpu_backend(model, inputs)
+        return compile_with_inductor(self, model, inputs, **kwargs)
+
+    compile_graph._hf_tpu = True
+    inductor.__call__ = compile_graph
+
+
+__all__ = ["compile_stats", "install_default_backend", "reset_compile_stats", "tpu_backend"]

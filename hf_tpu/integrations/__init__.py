@@ -18,6 +18,7 @@ _lock = threading.RLock()
 
 # module name -> integration module (in this package) whose ``install(module)`` patches it
 INTEGRATIONS: dict[str, str] = {
+    "transformers.generation.utils": "generation",
     "accelerate": "accelerate",
 }
 
