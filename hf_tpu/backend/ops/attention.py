@@ -1,0 +1,168 @@
+"""Fused scaled dot-product attention through torch's PrivateUse1 SDPA override.
+
+``F.scaled_dot_product_attention`` is CompositeImplicitAutograd: torch picks a backend with a C++
+dispatch stub that a Python backend cannot fill, and without it PrivateUse1 takes the unfused math
+decomposition (``_safe_softmax``, ``bmm``, one op each). So on tpu ``scaled_dot_product_attention``
+itself gets a kernel (at the autograd key, and at the backend key for inference mode) that asks
+``_fused_sdp_choice`` and, for the overrideable backend, calls
+``_scaled_dot_product_fused_attention_overrideable``. torch differentiates that op with
+``_scaled_dot_product_fused_attention_overrideable_backward`` (derivatives.yaml); both are lowered
+from :func:`_attend`, the backward as its VJP. Graph mode sees the same two ops in its ATen graphs
+(FakeTensors on tpu reach the same kernel) and lowers them from the op table.
+
+Dropout takes the math path: the fused op's schema has no input for a random key, so its lowering
+could not draw fresh randomness inside a jitted program.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+from torch.nn.attention import SDPBackend
+
+from ..dispatch import Lowering, build_kernel, kernel, lowering, resolve
+from .linalg import _accumulator
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _grouped(x, kv_heads):
+    """(*batch, H, L, D) -> (*batch, kv_heads, H // kv_heads, L, D): query heads grouped per key head (GQA)."""
+    return x.reshape(x.shape[:-3] + (kv_heads, x.shape[-3] // kv_heads) + x.shape[-2:])
+
+
+def _attend(query, key, value, bias, is_causal, scale):
+    """softmax(q @ k^T * scale + bias) @ v, with the softmax in float32 (at least) and a row with every
+    key masked giving zeros (as ``_safe_softmax`` does); returns the output and the float32 logsumexp.
+
+    Shapes: query (*batch, Hq, L, E), key (*batch, Hk, S, E), value (*batch, Hk, S, Ev) with Hq a
+    multiple of Hk (grouped-query attention); ``bias`` broadcasts to (*batch, Hq, L, S) and is
+    additive, or boolean (True = attend).
+    """
+    accumulator = jnp.promote_types(_accumulator(query.dtype), jnp.float32)
+    length, source, kv_heads = query.shape[-2], key.shape[-2], key.shape[-3]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    q = _grouped(query, kv_heads)
+    k, v = key[..., None, :, :], value[..., None, :, :]
+    logits = jnp.einsum("...le,...se->...ls", q, k, precision=_precision(query.dtype),
+                        preferred_element_type=accumulator) * scale
+    allowed = None
+    if bias is not None:
+        bias = _grouped(jnp.broadcast_to(bias, query.shape[:-1] + (source,)), kv_heads)
+        if bias.dtype == jnp.bool_:
+            allowed = bias
+        else:
+            logits = logits + bias.astype(accumulator)
+    if is_causal:
+        causal = jnp.tril(jnp.ones((length, source), jnp.bool_))
+        allowed = causal if allowed is None else allowed & causal
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    safe_peak = jnp.where(jnp.isneginf(peak), jnp.zeros((), accumulator), lax.stop_gradient(peak))
+    weights = jnp.exp(logits - safe_peak)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probabilities = weights / jnp.where(total == 0, jnp.ones((), accumulator), total)
+    out = jnp.einsum("...ls,...se->...le", probabilities.astype(value.dtype), v, precision=_precision(value.dtype),
+                     preferred_element_type=accumulator)
+    logsumexp = (jnp.log(total) + safe_peak)[..., 0]
+    ungroup = query.shape[:-1]
+    return out.reshape(ungroup + (value.shape[-1],)).astype(query.dtype), logsumexp.reshape(ungroup)
+
+
+def _logsumexp_shape(logsumexp):
+    """(B, H, L) as the meta function reports it: a 3-d query (H, L, E) counts as batch 1."""
+    return logsumexp if logsumexp.ndim == 3 else logsumexp[None]
+
+
+_FUSED = "_scaled_dot_product_fused_attention_overrideable"
+
+
+@lowering(_FUSED)
+def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                    scale=None):
+    """Returns (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask);
+    the sequence-length outputs are for nested tensors (undefined here), the seeds are zeros (no dropout)."""
+    if dropout_p != 0:
+        raise NotImplementedError(
+            f"aten::{_FUSED}: dropout_p > 0 is not lowered on tpu (scaled_dot_product_attention routes it to the "
+            "math path)")
+    out, logsumexp = _attend(query, key, value, attn_bias, is_causal, scale)
+    zero = jnp.zeros((), jnp.int64)
+    return out, _logsumexp_shape(logsumexp), None, None, query.shape[-2], key.shape[-2], zero, zero, None
+
+
+def _fused_arrays(*args):
+    out, logsumexp, _, _, _, _, seed, offset, _ = fused_attention(*args)
+    return out, logsumexp, seed, offset
+
+
+_fused_arrays_kernel = None
+
+
+@kernel(_FUSED)
+def fused_attention_kernel(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
+                           return_debug_mask=False, *, scale=None):
+    """Eager form of :func:`fused_attention`: the lengths are returned as Python ints, not device scalars that
+    torch would read back (a host sync per call)."""
+    global _fused_arrays_kernel
+    if _fused_arrays_kernel is None:
+        _fused_arrays_kernel = build_kernel(resolve(_FUSED), Lowering(_fused_arrays))
+    out, logsumexp, seed, offset = _fused_arrays_kernel(
+        query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale=scale)
+    return out, logsumexp, None, None, query.size(-2), key.size(-2), seed, offset, None
+
+
+@lowering("_scaled_dot_product_fused_attention_overrideable_backward")
+def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
+                             cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
+    """Gradients of query, key, value and (if it is floating point) the additive bias, as the VJP of the forward."""
+    differentiable_bias = attn_bias is not None and jnp.issubdtype(attn_bias.dtype, jnp.floating)
+
+    def forward(q, k, v, b):
+        return _attend(q, k, v, b if differentiable_bias else attn_bias, is_causal, scale)[0]
+
+    _, vjp = jax.vjp(forward, query, key, value, attn_bias if differentiable_bias else None)
+    grad_query, grad_key, grad_value, grad_bias = vjp(grad_out.astype(query.dtype))
+    wanted = (grad_query, grad_key, grad_value, grad_bias if differentiable_bias else None)
+    return tuple(g if keep else None for g, keep in zip(wanted, grad_input_mask))
+
+
+def _choose(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> int:
+    """The overrideable (fused) backend unless dropout is on or the inputs are not 3-d or 4-d."""
+    if dropout_p != 0 or query.dim() not in (3, 4) or key.dim() != query.dim() or value.dim() != query.dim():
+        return int(SDPBackend.MATH)
+    if not enable_gqa and key.size(-3) != query.size(-3):
+        return int(SDPBackend.MATH)  # the math path raises the shape error CPU raises
+    return int(SDPBackend.OVERRIDEABLE)
+
+
+@kernel("_fused_sdp_choice")
+def fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                     enable_gqa=False):
+    return _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                                 enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on tpu: the fused op when :func:`_choose` picks it, else torch's math path."""
+    if _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) == int(SDPBackend.MATH):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+    if is_causal and attn_mask is not None:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        query, key, value, attn_mask, 0.0, is_causal, False, scale=scale)[0]
+
+
+# Registered beside the op table: it refuses kernels for CompositeImplicitAutograd ops, and this one replaces
+# the decomposition on purpose (autograd flows through the fused op's own derivative).
+_LIBRARY = torch.library.Library("aten", "IMPL")
+for _key in ("AutogradPrivateUse1", "PrivateUse1"):
+    _LIBRARY.impl("scaled_dot_product_attention", scaled_dot_product_attention, _key)
