@@ -64,5 +64,16 @@ def tiny_llama(**overrides: Any) -> torch.nn.Module:
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and hf_tpu's compile counters start empty and are cleared afterwards."""
+    from hf_tpu.compile import reset_compile_stats
+
+    torch._dynamo.reset()
+    reset_compile_stats()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def cpu_and_tpu():
     return check_against_cpu

@@ -9,15 +9,9 @@ import torch
 from torch import nn
 
 from conftest import tiny_llama, to_tpu
-from hf_tpu.compile import compile_stats, reset_compile_stats
+from hf_tpu.compile import compile_stats
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    reset_compile_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _mlp() -> nn.Module:

@@ -141,6 +141,11 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     return self if dtype is None else _cast(self, dtypes.to_jax(dtype))
 
 
+@graph_lowering("prims::convert_element_type")
+def convert_element_type(a, dtype):
+    return _cast(a, dtypes.to_jax(dtype))
+
+
 @graph_lowering("copy", "copy_")
 def copy(self, src, non_blocking=False):
     return jnp.broadcast_to(_cast(src, self.dtype), self.shape)

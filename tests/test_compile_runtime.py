@@ -1,0 +1,163 @@
+"""Graph-mode runtime: default backend choice, RNG, donation, the on-disk cache, recompilation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import to_tpu
+from hf_tpu.compile import compile_stats, graph_lowering
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def test_torch_compile_without_a_backend_uses_tpu_for_tpu_inputs_only(monkeypatch):
+    inductor_graphs = []
+
+    def fake_inductor(model, inputs, **kwargs):
+        inductor_graphs.append(model)
+        return model
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", fake_inductor)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    expected = model(x)
+
+    result = torch.compile(nn.Linear(4, 3).to("tpu").requires_grad_(False))(to_tpu(x))
+    assert result.device.type == "tpu" and compile_stats()["compilations"] == 1 and not inductor_graphs
+
+    torch.compile(lambda v: model(v) * 1)(x)
+    assert len(inductor_graphs) == 1 and compile_stats()["compilations"] == 1
+    tpu_model = nn.Linear(4, 3)
+    tpu_model.load_state_dict(model.state_dict())
+    torch.testing.assert_close(torch.compile(tpu_model.to("tpu"))(to_tpu(x)).cpu(), expected)
+
+
+def _dropout_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).to("tpu")
+
+
+def test_compiled_dropout_follows_manual_seed_and_draws_what_eager_draws():
+    model = _dropout_mlp()
+    compiled = torch.compile(model, backend="tpu")
+    x = torch.randn(8, 16, device="tpu")
+
+    torch.manual_seed(1)
+    first, second = compiled(x).detach().cpu(), compiled(x).detach().cpu()
+    torch.manual_seed(1)
+    again = compiled(x).detach().cpu()
+    torch.manual_seed(1)
+    eager = model(x).detach().cpu()
+
+    assert torch.equal(first, again) and not torch.equal(first, second)
+    torch.testing.assert_close(first, eager)
+    assert compile_stats()["compilations"] == 1  # the forward graph (no backward ran), nothing per call
+
+
+def test_compiled_random_factories_have_the_right_moments():
+    sample = torch.compile(lambda x: (torch.rand_like(x), torch.randn(x.shape, device=x.device)), backend="tpu")
+    torch.manual_seed(0)
+    uniform, normal = (t.cpu().double() for t in sample(torch.empty(200_000, device="tpu")))
+    assert abs(uniform.mean() - 0.5) < 0.01 and abs(uniform.var() - 1 / 12) < 0.01
+    assert uniform.min() >= 0 and uniform.max() < 1
+    assert abs(normal.mean()) < 0.01 and abs(normal.std() - 1) < 0.01
+
+
+def _accumulate(buffer, values):
+    buffer.add_(values)
+    return buffer.sum()
+
+
+def test_mutated_inputs_are_donated_unless_something_else_holds_their_array(monkeypatch):
+    donations = []
+    donatable = graph_lowering.CompiledGraph._donatable
+
+    def spy(self, tensors, arrays):
+        donations.append(donatable(self, tensors, arrays))
+        return donations[-1]
+
+    monkeypatch.setattr(graph_lowering.CompiledGraph, "_donatable", spy)
+    compiled = torch.compile(_accumulate, backend="tpu", fullgraph=True)
+    buffer, values = torch.zeros(64, device="tpu"), torch.ones(64, device="tpu")
+    for _ in range(3):
+        compiled(buffer, values)
+    assert donations == [(0,)] * 3
+    assert buffer.cpu().tolist() == [3.0] * 64
+
+    from hf_tpu.backend import storage
+
+    held = storage.read(buffer)  # a JAX array of the buffer held elsewhere must survive the call
+    compiled(buffer, values)
+    assert donations[-1] == () and not held.is_deleted()
+    assert held.tolist() == [3.0] * 64 and buffer.cpu().tolist() == [4.0] * 64
+
+
+def test_dynamic_shapes_compile_one_graph_and_run_every_length():
+    def attend(x, y):
+        z = torch.cat([x, y], dim=-1)
+        return torch.softmax(z * 2, -1).sum(-1) + z.shape[-1], z.reshape(-1, 2)
+
+    compiled = torch.compile(attend, backend="tpu", dynamic=True)
+    for length in (4, 6, 10):
+        x, y = torch.randn(3, length), torch.randn(3, length)
+        for result, expected in zip(compiled(*to_tpu((x, y))), attend(x, y)):
+            torch.testing.assert_close(result.cpu(), expected)
+    assert compile_stats()["graphs"] == 1 and compile_stats()["compilations"] == 3
+
+
+def test_marked_dynamic_dimension_does_not_retrace_in_dynamo():
+    compiled = torch.compile(lambda x: (x.cumsum(0) * 2).mean(0), backend="tpu")
+    for length in (5, 7, 9):
+        x = torch.randn(length, 3)
+        tpu_x = to_tpu(x)
+        torch._dynamo.mark_dynamic(tpu_x, 0)
+        torch.testing.assert_close(compiled(tpu_x).cpu(), (x.cumsum(0) * 2).mean(0))
+    assert compile_stats()["graphs"] == 1
+
+
+def test_recompile_log_names_the_input_that_changed(monkeypatch, caplog):
+    monkeypatch.setenv("HF_TPU_LOG_RECOMPILES", "1")
+    compiled = torch.compile(lambda x: x * 2, backend="tpu", dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="hf_tpu.recompiles"):
+        compiled(torch.ones(3, 4, device="tpu"))
+        compiled(torch.ones(3, 6, device="tpu"))
+    messages = [r.getMessage() for r in caplog.records if r.name == "hf_tpu.recompiles"]
+    assert len(messages) == 1 and "shape (3, 4) -> (3, 6)" in messages[0]
+
+
+_FIRST_CALL = """
+import json, time, torch
+from torch import nn
+from hf_tpu.compile import compile_stats
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to("tpu").requires_grad_(False)
+x = torch.randn(4, 64, device="tpu")
+start = time.perf_counter()
+torch.compile(model, backend="tpu")(x).cpu()
+print(json.dumps(compile_stats()))
+"""
+
+
+def test_a_second_process_loads_compiled_programs_from_the_disk_cache(tmp_path):
+    environment = {**os.environ, "HF_TPU_CACHE_DIR": str(tmp_path / "xla")}
+
+    def first_call() -> dict:
+        completed = subprocess.run(
+            [sys.executable, "-c", _FIRST_CALL], env=environment, capture_output=True, text=True, timeout=300
+        )
+        assert completed.returncode == 0, completed.stderr
+        return json.loads(completed.stdout.strip().splitlines()[-1])
+
+    cold, warm = first_call(), first_call()
+    assert cold["compilations"] == warm["compilations"] == 1
+    assert cold["disk_cache_hits"] == 0 and warm["disk_cache_hits"] == 1
+    assert any((tmp_path / "xla").iterdir())
