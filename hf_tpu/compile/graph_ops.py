@@ -174,8 +174,9 @@ def zeros(size, dtype=None, layout=None, device=None, pin_memory=None, memory_fo
     return jnp.zeros(tuple(size), _factory_dtype(dtype))
 
 
-@graph_lowering("empty_strided")
-def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+@graph_lowering("empty_strided", "empty_permuted")
+def empty_strided(size, stride_or_layout, dtype=None, layout=None, device=None, pin_memory=None):
+    """Graph values have no strides (nor physical layouts): an empty tensor is zeros of its size."""
     return zeros(size, dtype)
 
 
