@@ -499,27 +499,6 @@ def logcumsumexp(self, dim):
     return lax.associative_scan(jnp.logaddexp, x, axis=d).astype(out)
 
 
-@lowering("histc", "histc.out", static=("min", "max"))
-def histc(self, bins=100, min=0, max=0):
-    """Counts of ``self`` in ``bins`` equal bins over [min, max]; min == max means the data's range.
-
-    Bin positions are computed in ``self``'s dtype, as CPU does (integers in float64).
-    """
-    if self.size == 0:
-        return jnp.zeros((bins,), self.dtype)
-    x = self.reshape(-1)
-    x = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float64)
-    if min == max:
-        lo, hi = jnp.min(x), jnp.max(x)
-        same = lo == hi
-        lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
-    else:
-        lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
-    position = jnp.minimum(jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int64), bins - 1)
-    slots = jnp.where((x >= lo) & (x <= hi), position, bins)
-    return jnp.zeros((bins,), self.dtype).at[slots].add(jnp.ones((), self.dtype), mode="drop")
-
-
 _SEGMENT_REDUCERS = {"sum": jax.ops.segment_sum, "mean": jax.ops.segment_sum, "prod": jax.ops.segment_prod,
                      "max": jax.ops.segment_max, "min": jax.ops.segment_min}
 
