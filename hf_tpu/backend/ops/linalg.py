@@ -319,3 +319,54 @@ def pdist(self, p=2.0):
     """``p``-norm distances between the rows ``i < j`` of ``self`` (N, M), in row-major pair order."""
     first, second = np.triu_indices(self.shape[0], 1)
     return _p_norm(jnp.abs(self[first] - self[second]), p)
+
+
+@lowering("geqrf", "geqrf.a")
+def geqrf(self):
+    """LAPACK's compact QR: R on and above the diagonal, the Householder vectors below it, and their taus."""
+    h, tau = jnp.linalg.qr(self, mode="raw")
+    return jnp.swapaxes(h, -1, -2), tau
+
+
+@lowering("ormqr", "ormqr.out")
+def ormqr(self, input2, input3, left=True, transpose=False):
+    """``Q @ C`` (``C @ Q`` if not ``left``; ``Q^H`` if ``transpose``), Q given by ``geqrf``'s reflectors."""
+    return _hp(lax.linalg.ormqr, self, input2, input3, left=left, transpose=transpose)
+
+
+_LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+@lowering("linalg_lstsq.out")
+def lstsq(self, b, rcond=None, driver=None):
+    """Least-squares solutions of ``self @ X = b``, as CPU's LAPACK drivers report them.
+
+    Every driver gives the minimum-norm solution over the singular values above ``rcond * max``
+    (default ``rcond``: eps * max(m, n)), which is LAPACK's answer for full-rank matrices (``gels``
+    assumes full rank; on rank-deficient ones its answer is ill-defined). ``rank`` comes
+    with the rank-revealing drivers (gelsy, gelsd, gelss), ``singular_values`` with gelsd and gelss,
+    and ``residuals`` (squared column norms of ``self @ X - b``) when m > n and the driver is not
+    gelsy. Unlike CPU, which leaves them empty when a matrix is rank-deficient, residuals are
+    returned whenever m > n.
+    """
+    driver = driver or "gelsy"
+    if driver not in _LSTSQ_DRIVERS:
+        raise RuntimeError(f"torch.linalg.lstsq: parameter `driver` should be one of {_LSTSQ_DRIVERS}")
+    m, n = self.shape[-2:]
+    vector = b.ndim == self.ndim - 1
+    rhs = b[..., None] if vector else b
+    a, rhs = _broadcast_batch(self, rhs)
+    u, s, vh = _hp(jnp.linalg.svd, a, full_matrices=False)
+    cutoff = (jnp.finfo(a.dtype).eps * max(m, n) if rcond is None or rcond < 0 else rcond) * s[..., :1]
+    kept = s > cutoff
+    inverse_s = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0)
+    solution = _hp(jnp.matmul, _adjoint(vh), inverse_s[..., :, None] * _hp(jnp.matmul, _adjoint(u), rhs))
+    rank = jnp.sum(kept, axis=-1).astype(jnp.int64)
+    residuals = jnp.zeros((0,), s.dtype)
+    if m > n and driver != "gelsy":
+        residuals = jnp.sum(jnp.abs(_hp(jnp.matmul, a, solution) - rhs) ** 2, axis=-2)
+        residuals = residuals[..., 0] if vector else residuals
+    empty_rank = jnp.zeros((0,), jnp.int64)
+    return ((solution[..., 0] if vector else solution), residuals,
+            (empty_rank if driver == "gels" else rank),
+            (s if driver in ("gelsd", "gelss") else jnp.zeros((0,), s.dtype)))

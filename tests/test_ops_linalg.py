@@ -1,0 +1,46 @@
+"""Factorisations and solvers on tpu against CPU: geqrf/ormqr and lstsq with each LAPACK driver."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import check_against_cpu
+
+torch.manual_seed(0)
+TALL, WIDE = torch.randn(2, 5, 3), torch.randn(4, 6)
+
+
+@pytest.mark.parametrize("a", [TALL, WIDE], ids=["tall", "wide"])
+def test_geqrf(a):
+    check_against_cpu(torch.geqrf, a, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("transpose", [True, False])
+def test_ormqr(left, transpose):
+    reflectors, tau = torch.geqrf(torch.randn(5, 3))
+    other = torch.randn(5, 2) if left else torch.randn(2, 5)
+    check_against_cpu(lambda r, t, c: torch.ormqr(r, t, c, left=left, transpose=transpose), reflectors, tau, other,
+                      atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("driver", ["gels", "gelsy", "gelsd", "gelss"])
+@pytest.mark.parametrize("shape", [(3, 5, 3), (4, 3), (2, 4)], ids=["batched-tall", "tall", "wide"])
+def test_lstsq(driver, shape):
+    a, b = torch.randn(shape), torch.randn(shape[:-1] + (2,))
+    check_against_cpu(lambda x, y: torch.linalg.lstsq(x, y, driver=driver), a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("driver", ["gelsy", "gelsd"])
+def test_lstsq_rank_deficient(driver):
+    """The minimum-norm solution and the numerical rank (residuals are left out: CPU omits them)."""
+    a = torch.randn(5, 3)
+    a[:, 2] = a[:, 1]
+    b = torch.randn(5, 2)
+
+    def solve(x, y):
+        result = torch.linalg.lstsq(x, y, driver=driver)
+        return result.solution, result.rank, result.singular_values
+
+    check_against_cpu(solve, a, b, atol=1e-4, rtol=1e-4)
