@@ -195,3 +195,10 @@ def test_reductions_with_autograd():
         return t.grad
 
     check_against_cpu(grads, X, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+def test_hash_tensor(dtype):
+    x = (torch.randn(3, 4) * 5).to(dtype)
+    check_against_cpu(torch.hash_tensor, x)
+    check_against_cpu(lambda t: torch.hash_tensor(t, 1, keepdim=True), x)

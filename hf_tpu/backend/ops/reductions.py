@@ -129,6 +129,19 @@ def prod_dim(self, dim, keepdim=False, dtype=None):
     return _prod(self, _dims(self, dim), keepdim, dtype)
 
 
+@lowering("hash_tensor", "hash_tensor.out")
+def hash_tensor(self, dim=(), keepdim=False, mode=0):
+    """XOR of the elements' 64-bit patterns (floats widened to float64, integers to int64), as uint64."""
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor only supports mode=0 (xor_sum), got mode={mode}")
+    wide = jnp.float64 if jnp.issubdtype(self.dtype, jnp.floating) else \
+        jnp.uint64 if jnp.issubdtype(self.dtype, jnp.unsignedinteger) else jnp.int64
+    bits = lax.bitcast_convert_type(self.astype(wide), jnp.uint64)
+    dims = _dims(self, dim)
+    hashed = lax.reduce(bits, np.uint64(0), lax.bitwise_xor, dims)
+    return jnp.expand_dims(hashed, dims) if keepdim else hashed
+
+
 @lowering("amax", "amax.out")
 def amax(self, dim=(), keepdim=False):
     return jnp.max(self, axis=_dims(self, dim), keepdims=keepdim)
