@@ -125,12 +125,6 @@ def test_hf_tpu_info_runs():
     assert re.search(r"^torch\s+2\.", completed.stdout, re.MULTILINE), completed.stdout
 
 
-def test_hf_tpu_demo_agrees_with_cpu():
-    completed = run_hf_tpu("demo")
-    assert completed.returncode == 0, f"stdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
-    assert "OK: tpu and cpu agree." in completed.stdout
-
-
 def test_readme_set_up_commands_install_cpu_torch_first():
     commands = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pip install")]
     assert any(line.endswith("hf-tpu demo") for line in commands), commands

