@@ -1,0 +1,200 @@
+"""Greedy decoding of a small Llama: tpu (static cache, generate's auto-compile) next to the CPU
+paths and a hand-written pure-JAX decoder, in one process.
+
+LlamaForCausalLM (hidden 512, 4 layers, 8 heads, 2 kv heads, intermediate 1376, vocab 8192, float32),
+built from a config (random weights, no downloads); a 32-token prompt and 64 new tokens, greedy.
+Each variant is warmed up once (compiling what it compiles), then timed as the best of
+``--repeats`` runs; tokens/s counts the 64 new tokens over the whole ``generate`` call (prefill
+included). Variants:
+
+- ``torch cpu eager``: ``generate`` with the default (dynamic) cache;
+- ``torch cpu static``: ``cache_implementation="static"``, eager;
+- ``torch cpu inductor``: static cache with the decode step compiled by Inductor;
+- ``pure jax``: the same weights in a hand-written JAX decoder (layers under ``lax.scan``, donated
+  cache, one jitted prefill and one jitted decode step), the bar our lowering should reach;
+- ``tpu``: the model on the tpu device, ``cache_implementation="static"`` (decode steps compiled
+  by generate through the ``"tpu"`` backend).
+
+    python benchmarks/decode.py [--repeats 3] [--skip-inductor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+
+NEW_TOKENS = 64
+
+
+def build_model() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1376, vocab_size=8192, max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # random weights: always decode all 64 tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def timed(run, repeats: int) -> tuple[float, list[int]]:
+    """(best seconds, tokens) of ``run()`` after one warm-up call."""
+    tokens = run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = run()
+        best = min(best, time.perf_counter() - start)
+    return best, tokens
+
+
+def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
+    with torch.no_grad():
+        output = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **options)
+    return output[0, prompt.shape[1]:].cpu().tolist()
+
+
+# --- the pure-JAX reference decoder ----------------------------------------------------------------
+
+
+def jax_weights(model: LlamaForCausalLM) -> dict:
+    def array(tensor: torch.Tensor) -> jax.Array:
+        return jnp.asarray(tensor.detach().numpy())
+
+    layers = model.model.layers
+    stacked = {
+        name: jnp.stack([array(getter(block)) for block in layers])
+        for name, getter in {
+            "input_norm": lambda layer: layer.input_layernorm.weight,
+            "q": lambda layer: layer.self_attn.q_proj.weight.T,
+            "k": lambda layer: layer.self_attn.k_proj.weight.T,
+            "v": lambda layer: layer.self_attn.v_proj.weight.T,
+            "o": lambda layer: layer.self_attn.o_proj.weight.T,
+            "post_norm": lambda layer: layer.post_attention_layernorm.weight,
+            "gate": lambda layer: layer.mlp.gate_proj.weight.T,
+            "up": lambda layer: layer.mlp.up_proj.weight.T,
+            "down": lambda layer: layer.mlp.down_proj.weight.T,
+        }.items()
+    }
+    return {
+        "embed": array(model.model.embed_tokens.weight), "layers": stacked,
+        "norm": array(model.model.norm.weight), "lm_head": array(model.lm_head.weight.T),
+    }
+
+
+def _rms_norm(x, weight, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(3, 4))
+def jax_forward(config: tuple, weights: dict, tokens, cache_k, cache_v, start):
+    """Logits of the last position and the updated caches, for ``tokens`` at positions ``start``..."""
+    heads, kv_heads, head_dim, eps, theta = config
+    batch, length = tokens.shape
+    positions = start + jnp.arange(length)
+    inverse = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions[:, None].astype(jnp.float32) * inverse[None, :]
+    cos, sin = (jnp.concatenate([f(angles)] * 2, axis=-1) for f in (jnp.cos, jnp.sin))
+    visible = jnp.arange(cache_k.shape[3])[None, :] <= positions[:, None]
+    x = weights["embed"][tokens]
+
+    def layer(x, inputs):
+        w, layer_k, layer_v = inputs
+        h = _rms_norm(x, w["input_norm"], eps)
+        q = (h @ w["q"]).reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
+        k = (h @ w["k"]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
+        v = (h @ w["v"]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        layer_k = jax.lax.dynamic_update_slice(layer_k, k, (0, 0, start, 0))
+        layer_v = jax.lax.dynamic_update_slice(layer_v, v, (0, 0, start, 0))
+        q = q.reshape(batch, kv_heads, heads // kv_heads, length, head_dim)
+        scores = jnp.einsum("bkgtd,bksd->bkgts", q, layer_k) / jnp.sqrt(head_dim).astype(q.dtype)
+        scores = jnp.where(visible, scores, -jnp.inf)
+        attended = jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(scores, axis=-1), layer_v)
+        attended = attended.reshape(batch, heads, length, head_dim).transpose(0, 2, 1, 3)
+        x = x + attended.reshape(batch, length, heads * head_dim) @ w["o"]
+        h = _rms_norm(x, w["post_norm"], eps)
+        x = x + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
+        return x, (layer_k, layer_v)
+
+    x, (cache_k, cache_v) = jax.lax.scan(layer, x, (weights["layers"], cache_k, cache_v))
+    logits = _rms_norm(x[:, -1], weights["norm"], eps) @ weights["lm_head"]
+    return logits, cache_k, cache_v
+
+
+def jax_generate(model: LlamaForCausalLM, weights: dict, prompt: np.ndarray) -> list[int]:
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    static = (config.num_attention_heads, config.num_key_value_heads, head_dim, config.rms_norm_eps,
+              config.rope_parameters["rope_theta"])
+    shape = (config.num_hidden_layers, 1, config.num_key_value_heads, prompt.shape[1] + NEW_TOKENS, head_dim)
+    cache_k, cache_v = jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+    logits, cache_k, cache_v = jax_forward(static, weights, jnp.asarray(prompt), cache_k, cache_v, 0)
+    tokens = [jnp.argmax(logits, axis=-1)]
+    for step in range(NEW_TOKENS - 1):
+        logits, cache_k, cache_v = jax_forward(
+            static, weights, tokens[-1][:, None], cache_k, cache_v, prompt.shape[1] + step
+        )
+        tokens.append(jnp.argmax(logits, axis=-1))
+    return [int(t[0]) for t in tokens]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-inductor", action="store_true", help="leave out the (slow to compile) Inductor run")
+    args = parser.parse_args()
+
+    model = build_model()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    results = {}
+    results["torch cpu eager"] = timed(lambda: hf_generate(model, prompt), args.repeats)
+    results["torch cpu static"] = timed(
+        lambda: hf_generate(model, prompt, cache_implementation="static", disable_compile=True), args.repeats
+    )
+    if not args.skip_inductor:
+        inductor = CompileConfig(backend="inductor", mode="default", dynamic=False)
+        inductor._compile_all_devices = True
+        results["torch cpu inductor"] = timed(
+            lambda: hf_generate(model, prompt, cache_implementation="static", compile_config=inductor), args.repeats
+        )
+    weights = jax_weights(model)
+    results["pure jax"] = timed(lambda: jax_generate(model, weights, prompt.numpy()), args.repeats)
+    tpu_model = copy.deepcopy(model).to("tpu")
+    tpu_prompt = prompt.to("tpu")
+    results["tpu"] = timed(lambda: hf_generate(tpu_model, tpu_prompt, cache_implementation="static"), args.repeats)
+
+    reference_tokens = results["torch cpu eager"][1]
+    cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
+    best_cpu = max(NEW_TOKENS / results[name][0] for name in results if name.startswith("torch cpu"))
+    print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
+    print(f"Greedy decode, hidden 512, 4 layers, prompt 32, {NEW_TOKENS} new tokens (best of {args.repeats})\n")
+    print(f"{'variant':<20} {'tokens/s':>9} {'/ cpu eager':>12} {'same tokens as cpu eager':>26}")
+    for name, (seconds, tokens) in results.items():
+        rate = NEW_TOKENS / seconds
+        print(f"{name:<20} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference_tokens):>26}")
+    tpu_rate = NEW_TOKENS / results["tpu"][0]
+    print(f"\ntpu / best torch cpu path: {tpu_rate / best_cpu:.2f}x; "
+          f"tpu / pure jax: {tpu_rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
+    print(f"graph mode: {torch.tpu.compile_stats()}")
+
+
+if __name__ == "__main__":
+    main()
