@@ -14,7 +14,7 @@ import torch
 from jax import lax
 
 from ..backend import dtypes, strided
-from ..backend.dispatch import resolve
+from ..backend.dispatch import LOWERINGS, resolve
 
 GRAPH_LOWERINGS: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 
@@ -193,3 +193,15 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
 @graph_lowering("full_like")
 def full_like(self, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return jnp.full(self.shape, fill_value, self.dtype if dtype is None else dtypes.to_jax(dtype))
+
+
+# --- indexing -------------------------------------------------------------------------------------
+
+
+@graph_lowering("index.Tensor")
+def index(self, indices):
+    """Advanced indexing with integer index tensors (eager mode's kernel turns masks into them first; a
+    boolean mask's result shape depends on its values, which a static graph cannot hold)."""
+    if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
+        raise NotImplementedError("tpu graph mode: aten::index.Tensor with a boolean mask (data-dependent shape)")
+    return LOWERINGS["_unsafe_index.Tensor"].fn(self, indices)
