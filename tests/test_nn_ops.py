@@ -91,6 +91,41 @@ def test_layer_norm():
     check_module(nn.LayerNorm((5, 8), elementwise_affine=False), leaf(X), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_group_norm(affine):
+    module = nn.GroupNorm(2, 4, affine=affine)
+    if affine:
+        nn.init.normal_(module.weight), nn.init.normal_(module.bias)
+    check_module(module, leaf(torch.randn(2, 4, 3, 5)), atol=1e-5, rtol=1e-5)
+
+
+def test_group_norm_bfloat16_with_float32_statistics():
+    x, weight = torch.randn(2, 4, 6, dtype=torch.bfloat16), torch.randn(4)
+    check_against_cpu(lambda *t: torch.ops.aten.native_group_norm(*t, 2, 4, 6, 2, 1e-5), x, weight, weight,
+                      atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("options", [
+    dict(mode="nearest", scale_factor=2.0), dict(mode="nearest", size=(7, 3)), dict(mode="nearest-exact", size=(7, 8)),
+    dict(mode="bilinear", scale_factor=2.0), dict(mode="bilinear", size=(7, 3), align_corners=True),
+    dict(mode="bilinear", scale_factor=1.7, recompute_scale_factor=False),
+])
+def test_upsample_with_gradients(options):
+    image = leaf(torch.randn(1, 2, 4, 5))
+    check_against_cpu(with_grads(lambda x: F.interpolate(x, **options)), image, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode, shape", [("linear", (1, 2, 5)), ("trilinear", (1, 2, 3, 4, 5)), ("nearest", (1, 2, 5))])
+def test_upsample_1d_and_3d(mode, shape):
+    check_against_cpu(with_grads(lambda x: F.interpolate(x, scale_factor=2.0, mode=mode)), leaf(torch.randn(shape)),
+                      atol=1e-5, rtol=1e-5)
+
+
+def test_upsample_bfloat16():
+    image = torch.randn(1, 2, 4, 5, dtype=torch.bfloat16)
+    check_against_cpu(lambda x: F.interpolate(x, scale_factor=2.0, mode="bilinear"), image, atol=2e-2, rtol=2e-2)
+
+
 def test_rms_norm():
     check_module(nn.RMSNorm(8, eps=1e-6), leaf(X), atol=1e-5, rtol=1e-4)
 

@@ -1,7 +1,8 @@
 """Convolutions (1-3 spatial dims, grouped, dilated, transposed) and their backward.
 
 torch routes convolutions of backends other than CPU/CUDA to ``convolution_overrideable`` and
-``convolution_backward_overrideable``. The forward is one ``lax.conv_general_dilated``; a transposed
+``convolution_backward_overrideable``; graph mode sees ``convolution`` and ``convolution_backward``, which the
+same lowerings serve (and then serve eager mode directly). The forward is one ``lax.conv_general_dilated``; a transposed
 convolution is the input gradient of a regular one: the input dilated by the stride, the kernel
 flipped and its in/out channels swapped per group. The backward is the JAX VJP of the forward.
 float32 runs at full precision, half types accumulate in float32, as the matrix products do.
@@ -50,7 +51,7 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
     )
 
 
-@lowering("convolution_overrideable", "convolution_overrideable.out")
+@lowering("convolution_overrideable", "convolution_overrideable.out", "convolution", "convolution.out")
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
@@ -77,3 +78,11 @@ def convolution_backward(grad_output, input, weight, stride, padding, dilation, 
         grad_weight.astype(weight.dtype) if output_mask[1] else None,
         grad_bias,
     )
+
+
+@lowering("convolution_backward", "convolution_backward.out")
+def convolution_backward_of_graphs(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                                   output_padding, groups, output_mask):
+    """The backward AOTAutograd graphs hold (the bias shape is the output channels, which grad_output gives)."""
+    return convolution_backward(grad_output, input, weight, stride, padding, dilation, transposed, output_padding,
+                                groups, output_mask)

@@ -136,6 +136,61 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
     return grad_input, grad_weight, grad_bias
 
 
+def _group_norm(input, weight, bias, groups, eps):
+    """(output in the compute dtype, mean, rstd), statistics shaped (N, groups), over each group's channels
+    and all positions."""
+    n, channels = input.shape[:2]
+    x = _upcast(input).reshape(n, groups, -1)
+    mean = jnp.mean(x, axis=-1)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x - mean[..., None]), axis=-1) + eps)
+    out = ((x - mean[..., None]) * rstd[..., None]).reshape(input.shape)
+    shape = (1, channels) + (1,) * (input.ndim - 2)
+    if weight is not None:
+        out = out * weight.astype(out.dtype).reshape(shape)
+    if bias is not None:
+        out = out + bias.astype(out.dtype).reshape(shape)
+    return out, mean, rstd
+
+
+def _group_norm_stats_dtype(input, weight):
+    """As the CPU kernel: the statistics take the parameters' dtype (float32 for half inputs with float32 weights)."""
+    return input.dtype if weight is None else weight.dtype
+
+
+@lowering("native_group_norm", "native_group_norm.out")
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    """Returns (output, mean, rstd) with the statistics shaped (N, group), computed in float32 for half inputs."""
+    out, mean, rstd = _group_norm(input, weight, bias, group, eps)
+    stats = _group_norm_stats_dtype(input, weight)
+    return out.astype(input.dtype), mean.astype(stats), rstd.astype(stats)
+
+
+@lowering("native_group_norm_backward", "native_group_norm_backward.out")
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    """Gradients of input, weight and bias from the saved statistics, in float32 for half inputs."""
+    x = _upcast(input)
+    channels = input.shape[1]
+    w = jnp.ones((channels,), x.dtype) if weight is None else weight.astype(x.dtype)
+    flat = (x.reshape(x.shape[0], group, -1) - mean.astype(x.dtype)[..., None]) * rstd.astype(x.dtype)[..., None]
+    normalized = flat.reshape(x.shape)
+    grad = _upcast(grad_out)
+    spatial = (0,) + tuple(range(2, x.ndim))
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        shape = (1, channels) + (1,) * (x.ndim - 2)
+        grad_normalized = (grad * w.reshape(shape)).reshape(x.shape[0], group, -1)
+        grad_input = rstd.astype(x.dtype)[..., None] * (
+            grad_normalized - jnp.mean(grad_normalized, axis=-1, keepdims=True)
+            - flat * jnp.mean(grad_normalized * flat, axis=-1, keepdims=True))
+        grad_input = grad_input.reshape(x.shape).astype(input.dtype)
+    param_dtype = input.dtype if weight is None else weight.dtype
+    if output_mask[1]:
+        grad_weight = jnp.sum(grad * normalized, axis=spatial).astype(param_dtype)
+    if output_mask[2]:
+        grad_bias = jnp.sum(grad, axis=spatial).astype(param_dtype)
+    return grad_input, grad_weight, grad_bias
+
+
 _SQRT_HALF = 1 / math.sqrt(2)
 _TANH_SCALE = math.sqrt(2 / math.pi)
 _TANH_CUBIC = 0.044715

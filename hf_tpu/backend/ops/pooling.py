@@ -1,9 +1,12 @@
-"""Pooling: average (fixed and adaptive windows), adaptive max, and max-pool backward.
+"""Pooling: average (fixed and adaptive windows), adaptive max, and max-pool backward; upsampling.
 
 Windows are static (they depend only on shapes), so averages are one ``lax.reduce_window`` sum
 divided by a constant count array, and adaptive pools are products with constant averaging
 matrices (average) or masked maxima along one dim at a time (max). Backward ops are the JAX VJP of
 the forward, or, for max pooling, a scatter-add of the gradient at the saved indices.
+Upsampling (nearest, nearest-exact, linear in 1-3 dims) is separable: per spatial dim a gather at constant
+source indices (and, for linear, a blend of two gathers with constant weights), the indices and weights
+computed at trace time with the float arithmetic of torch's CPU kernels.
 Half-precision inputs are computed in float32 and rounded once.
 """
 
@@ -198,3 +201,88 @@ def adaptive_max_pool2d_backward(grad_output, self, indices):
 @lowering("adaptive_max_pool3d_backward", "adaptive_max_pool3d_backward.grad_input")
 def adaptive_max_pool3d_backward(grad_output, self, indices):
     return _scatter_plane_gradient(grad_output, self, indices, 3)
+
+
+def _source_scale(in_size, out_size, align_corners, scale, dtype):
+    """Source pixels per output pixel (torch's ``area_pixel_compute_scale``), in the kernels' float type."""
+    if align_corners:
+        return dtype((in_size - 1) / (out_size - 1)) if out_size > 1 else dtype(0)
+    return dtype(1.0 / scale) if scale is not None and scale > 0 else dtype(in_size / out_size)
+
+
+def _nearest_indices(in_size, out_size, scale, exact):
+    ratio = _source_scale(in_size, out_size, False, scale, np.float32)
+    destination = np.arange(out_size, dtype=np.float32)
+    source = np.floor((destination + np.float32(0.5)) * ratio if exact else destination * ratio)
+    return np.minimum(source.astype(np.int64), in_size - 1)
+
+
+def _linear_taps(in_size, out_size, align_corners, scale, dtype):
+    """(first index, second index, weight of the second) per output position along one dim."""
+    if in_size == out_size:
+        identity = np.arange(out_size)
+        return identity, identity, np.zeros(out_size, dtype)
+    ratio = _source_scale(in_size, out_size, align_corners, scale, dtype)
+    destination = np.arange(out_size, dtype=dtype)
+    if align_corners:
+        source = destination * ratio
+    else:
+        source = np.maximum((destination + dtype(0.5)) * ratio - dtype(0.5), dtype(0))
+    first = np.minimum(source.astype(np.int64), in_size - 1)
+    weight = np.clip(source - first.astype(dtype), 0, 1).astype(dtype)
+    return first, np.minimum(first + 1, in_size - 1), weight
+
+
+def _upsample_nearest(x, output_size, scales, exact):
+    for i, (size, scale) in enumerate(zip(output_size, scales)):
+        x = jnp.take(x, _nearest_indices(x.shape[2 + i], size, scale, exact), axis=2 + i)
+    return x
+
+
+def _upsample_linear(x, output_size, align_corners, scales):
+    values = x.astype(_accumulator(x.dtype))
+    weights_dtype = np.float64 if values.dtype == jnp.float64 else np.float32
+    for i, (size, scale) in enumerate(zip(output_size, scales)):
+        axis = 2 + i
+        first, second, weight = _linear_taps(values.shape[axis], size, align_corners, scale, weights_dtype)
+        weight = jnp.asarray(weight, values.dtype).reshape((-1,) + (1,) * (values.ndim - axis - 1))
+        values = jnp.take(values, first, axis=axis) * (1 - weight) + jnp.take(values, second, axis=axis) * weight
+    return values.astype(x.dtype)
+
+
+def _backward_of(forward, grad_output, input_size):
+    _, vjp = jax.vjp(forward, jnp.zeros(tuple(input_size), grad_output.dtype))
+    return vjp(grad_output)[0]
+
+
+def _nearest(exact):
+    def upsample(self, output_size, *scales):
+        return _upsample_nearest(self, output_size, scales, exact)
+
+    def backward(grad_output, output_size, input_size, *scales):
+        return _backward_of(lambda x: _upsample_nearest(x, output_size, scales, exact), grad_output, input_size)
+
+    return upsample, backward
+
+
+def _linear():
+    def upsample(self, output_size, align_corners, *scales):
+        return _upsample_linear(self, output_size, align_corners, scales)
+
+    def backward(grad_output, output_size, input_size, align_corners, *scales):
+        return _backward_of(lambda x: _upsample_linear(x, output_size, align_corners, scales), grad_output, input_size)
+
+    return upsample, backward
+
+
+for _name, (_forward, _backward) in {
+    "upsample_nearest{}d": _nearest(False), "_upsample_nearest_exact{}d": _nearest(True),
+}.items():
+    for _n in (1, 2, 3):
+        lowering(_name.format(_n), _name.format(_n) + ".out")(_forward)
+        lowering(_name.format(_n) + "_backward", _name.format(_n) + "_backward.grad_input")(_backward)
+
+for _name in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"):
+    _forward, _backward = _linear()
+    lowering(_name, _name + ".out")(_forward)
+    lowering(_name + "_backward", _name + "_backward.grad_input")(_backward)
