@@ -80,8 +80,6 @@ KNOWN_FAILURES = {
     ("topk", "bfloat16"): "bfloat16 input with ties: CPU picks different indices among equal values",
     ("nn.functional.conv_transpose2d", "bfloat16"): "CPU's bfloat16 transposed conv rounds partial sums to "
                                                     "bfloat16; tpu accumulates in float32 (differences of 1-2 ulp)",
-    ("nn.functional.group_norm", "bfloat16"): "one element differs by 1 bfloat16 ulp (0.0127 > atol 0.01): "
-                                              "CPU rounds intermediate statistics to bfloat16",
 }
 
 
