@@ -161,3 +161,15 @@ def test_a_second_process_loads_compiled_programs_from_the_disk_cache(tmp_path):
     assert cold["compilations"] == warm["compilations"] == 1
     assert cold["disk_cache_hits"] == 0 and warm["disk_cache_hits"] == 1
     assert any((tmp_path / "xla").iterdir())
+
+
+def test_outputs_keep_the_strides_they_have_on_cpu():
+    def project(x, w):
+        y = (x @ w).relu()
+        return y.t(), y.reshape(2, 3, 4).permute(2, 0, 1) * 2, y + 1
+
+    x, w = torch.randn(6, 5), torch.randn(5, 4)
+    for result, expected in zip(torch.compile(project, backend="tpu")(*to_tpu((x, w))), project(x, w)):
+        assert result.stride() == expected.stride()
+        torch.testing.assert_close(result.cpu(), expected)
+        torch.testing.assert_close(result.mT.reshape(-1).cpu(), expected.mT.reshape(-1))

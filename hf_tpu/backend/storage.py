@@ -108,6 +108,12 @@ def wrap(array: Any, dtype: torch.dtype, device_index: int = 0) -> torch.Tensor:
     return _new_tensor(Buffer(array, dtype, array.size, device_index), array.shape)
 
 
+def wrap_strided(physical: Any, dtype: torch.dtype, device_index: int, shape: tuple, stride: tuple) -> torch.Tensor:
+    """A new tpu tensor of ``shape`` and dense ``stride`` whose memory is ``physical`` (its elements
+    in memory order, any shape)."""
+    return _new_tensor(Buffer(physical, dtype, physical.size, device_index), shape, stride)
+
+
 def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torch.Tensor:
     """A tpu tensor whose memory is not allocated until it is first written or read."""
     shape = tuple(shape)

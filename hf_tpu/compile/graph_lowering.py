@@ -205,6 +205,7 @@ class CompiledGraph:
         self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node)]
         for node in self._tensor_outputs:
             _check_on_device(node)
+        self._layouts = [_dense_layout(node.meta["val"]) for node in self._tensor_outputs]
         self._programs: dict[tuple[int, ...], Callable] = {}
         self._signature: tuple | None = None
         self._traced = False
@@ -231,7 +232,11 @@ class CompiledGraph:
         env[_RNG] = rng
         for step in self._steps:
             env[step.node] = step.run(env)
-        return tuple(env[n] for n in self._tensor_outputs), tuple(env[n] for n in self._mutation_nodes)
+        outputs = tuple(
+            env[node] if order is None else jnp.transpose(env[node], order)
+            for node, order in zip(self._tensor_outputs, self._layouts)
+        )
+        return outputs, tuple(env[n] for n in self._mutation_nodes)
 
     def __call__(self, args: list) -> list:
         tensors = [args[i] for i in self._tensor_positions]
@@ -255,8 +260,8 @@ class CompiledGraph:
             storage.write(tensors[position], value)
         if not tensors and not self._constants:  # factories only: results go to the chip, not JAX's default
             outputs = jax.device_put(outputs, runtime.device(device_index))
-        results = iter(outputs)
-        return [_wrap(next(results), device_index) if isinstance(o, fx.Node) else o for o in self._outputs]
+        results = iter(zip(outputs, self._tensor_outputs, self._layouts))
+        return [_wrap(*next(results), device_index) if isinstance(o, fx.Node) else o for o in self._outputs]
 
     def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held
@@ -290,8 +295,29 @@ def _read(tensor: torch.Tensor, device_index: int) -> Any:
     return to_device(tensor, tensor.dtype, device_index)  # e.g. a zero-dim CPU tensor operand
 
 
-def _wrap(array: Any, device_index: int) -> torch.Tensor:
-    return storage.wrap(array, dtypes.to_torch(array.dtype), device_index)
+def _wrap(array: Any, node: fx.Node, order: tuple[int, ...] | None, device_index: int) -> torch.Tensor:
+    """The result tensor: contiguous, or with the output's strides when ``order`` (its dims from
+    outermost to innermost in memory) says the program returned it in that physical order."""
+    dtype = dtypes.to_torch(array.dtype)
+    if order is None:
+        return storage.wrap(array, dtype, device_index)
+    value = node.meta["val"]
+    return storage.wrap_strided(array, dtype, device_index, tuple(value.shape), tuple(value.stride()))
+
+
+def _dense_layout(value: torch.Tensor) -> tuple[int, ...] | None:
+    """The memory order of a non-contiguous but dense output (e.g. a transposed result), so the
+    caller gets the strides it gets on CPU; ``None`` for contiguous or not plainly dense outputs."""
+    shape, stride = value.shape, value.stride()
+    if not all(isinstance(n, int) for n in (*shape, *stride)) or value.is_contiguous() or value.numel() <= 1:
+        return None
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return None
+        expected *= shape[dim]
+    return order
 
 
 def lower(graph_module: fx.GraphModule) -> CompiledGraph:
