@@ -7,3 +7,4 @@ from . import attention, bessel, convolution, fft, pooling, special  # noqa: F40
 from . import moe  # noqa: F401
 from . import optim  # noqa: F401
 from . import histogram  # noqa: F401
+from . import sampling  # noqa: F401
