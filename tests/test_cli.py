@@ -53,19 +53,20 @@ def printed_similarities(stdout: str, count: int) -> torch.Tensor:
     return torch.tensor([[float(value) for value in row.split()] for row in rows])
 
 
-def test_demo_matches_cpu():
-    completed = run_command("demo", *DEMO_SENTENCES)
-    out = completed.stdout
-    assert completed.returncode == 0, f"stdout:\n{out}\nstderr:\n{completed.stderr}"
-    assert "Traceback" not in completed.stderr
+def test_demo_matches_cpu(capsys):
+    status = main(["demo", *DEMO_SENTENCES])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert status == 0, f"stdout:\n{out}\nstderr:\n{captured.err}"
     expected = cpu_similarities(minilm_path(), DEMO_SENTENCES)
     torch.testing.assert_close(printed_similarities(out, 3), expected, rtol=0, atol=1.5e-3)  # printed to 3 places
     differences = [float(d) for d in re.findall(r"max \|tpu - cpu\| = (\S+)", out)]
     assert len(differences) == 2 and max(differences) <= 1e-3, out  # eager and compiled
     assert re.search(r"tpu eager [\d.]+ ms, tpu compiled [\d.]+ ms", out), out
+    assert "ran op by op" not in out  # the whole model compiled to XLA programs
     assert "RANDOM weights" in out and "Same tokens as on the CPU." in out
     assert re.search(r"\d+ new tokens: .* = [\d.]+ tokens/s", out), out
-    assert "Generating" in completed.stderr  # the progress bar
+    assert "Generating" in captured.err  # the progress bar
     assert out.rstrip().endswith("OK: tpu and cpu agree.")
 
 
