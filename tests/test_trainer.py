@@ -81,8 +81,13 @@ def test_fused_adamw_grad_scale_and_found_inf(found_inf):
 
 STEPS = 5
 # Losses of the same run on two backends. float32: XLA may fuse and reorder reductions. bf16 mixed
-# precision: matmuls round to bfloat16 (8 bits of mantissa) on both, in different orders.
-LOSS_TOLERANCE = {"float32": dict(rtol=1e-5, atol=1e-5), "bf16_autocast": dict(rtol=0, atol=2e-3)}
+# precision (autocast): matmuls round to bfloat16 (8 bits of mantissa) on both, in different orders.
+# bf16 model: parameters, their updates and every activation are bfloat16 (one ulp of a loss near 4 is 0.016).
+LOSS_TOLERANCE = {
+    "float32": dict(rtol=1e-5, atol=1e-5),
+    "bf16_autocast": dict(rtol=0, atol=2e-3),
+    "bf16_model": dict(rtol=0, atol=1e-2),
+}
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -98,15 +103,17 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def train(tmp_path, use_cpu: bool, bf16: bool):
+def train(tmp_path, use_cpu: bool, precision: str):
     """``STEPS`` steps of transformers' Trainer with its defaults (fused AdamW, linear schedule)."""
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    if precision == "bf16_model":
+        model.to(torch.bfloat16)
     arguments = TrainingArguments(
         output_dir=str(tmp_path / ("cpu" if use_cpu else "tpu")),
         use_cpu=use_cpu,
-        bf16=bf16,
+        bf16=precision == "bf16_autocast",
         max_steps=STEPS,
         per_device_train_batch_size=4,
         learning_rate=1e-2,
@@ -124,13 +131,14 @@ def train(tmp_path, use_cpu: bool, bf16: bool):
 
 @pytest.mark.parametrize("precision", LOSS_TOLERANCE)
 def test_trainer_losses_match_cpu(tmp_path, precision):
-    bf16 = precision == "bf16_autocast"
-    _, expected = train(tmp_path, use_cpu=True, bf16=bf16)
-    trainer, actual = train(tmp_path, use_cpu=False, bf16=bf16)
+    _, expected = train(tmp_path, use_cpu=True, precision=precision)
+    trainer, actual = train(tmp_path, use_cpu=False, precision=precision)
 
     assert trainer.args.device.type == "tpu"
     assert trainer.accelerator.device.type == "tpu"
-    assert next(trainer.model.parameters()).device.type == "tpu"
+    parameter = next(trainer.model.parameters())
+    assert parameter.device.type == "tpu"
+    assert parameter.dtype == (torch.bfloat16 if precision == "bf16_model" else torch.float32)
     assert trainer.optimizer.optimizer.defaults["fused"]  # transformers' default: adamw_torch_fused
     assert len(actual) == STEPS
     torch.testing.assert_close(actual, expected, **LOSS_TOLERANCE[precision])
