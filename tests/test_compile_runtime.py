@@ -173,3 +173,17 @@ def test_outputs_keep_the_strides_they_have_on_cpu():
         assert result.stride() == expected.stride()
         torch.testing.assert_close(result.cpu(), expected)
         torch.testing.assert_close(result.mT.reshape(-1).cpu(), expected.mT.reshape(-1))
+
+
+def test_graph_breaks_run_the_code_between_graphs_eagerly():
+    def branchy(x):
+        y = torch.sin(x) * 2
+        if y.sum().item() > 0:  # data-dependent control flow: Dynamo breaks the graph here
+            return torch.cos(y) + 1
+        return y - 1
+
+    for sign in (1.0, -1.0):
+        x = torch.full((3, 4), sign) * torch.linspace(0.1, 1.0, 12).reshape(3, 4)
+        result = torch.compile(branchy, backend="tpu")(to_tpu(x))
+        torch.testing.assert_close(result.cpu(), branchy(x))
+    assert compile_stats()["compilations"] >= 2 and compile_stats()["fallbacks"] == 0

@@ -45,8 +45,8 @@ def register() -> None:
                 f"PrivateUse1 is already renamed to {name!r} (another backend such as torchax is loaded); "
                 "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
             )
+        from .. import compile as graph_mode
         from .. import integrations
-        from ..compile import install_default_backend
         from . import autocast, device_module, fallback
 
         if name != "tpu":
@@ -64,7 +64,7 @@ def register() -> None:
         _install_host_pinning()
         _guard_autograd_devices()
         integrations.install()
-        install_default_backend()
+        graph_mode.install()
         _registered = True
 
 

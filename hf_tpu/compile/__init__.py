@@ -9,6 +9,7 @@ eager mode uses (plus the graph-mode lowerings of :mod:`.graph_ops` for views, f
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -27,7 +28,24 @@ def _on_tpu(inputs: list) -> bool:
     return any(isinstance(value, torch.Tensor) and value.device.type == "tpu" for value in inputs)
 
 
-def install_default_backend() -> None:
+def install() -> None:
+    """Graph mode's hooks into torch, applied at device registration (without importing Dynamo)."""
+    from ..integrations import when_imported
+
+    _install_default_backend()
+    when_imported("torch._dynamo.trace_rules", _skip_in_dynamo)
+
+
+def _skip_in_dynamo(trace_rules: Any) -> None:
+    """Dynamo runs hf_tpu's own frames without tracing them. The device's Python kernels run inside
+    user frames Dynamo watches (eager code between graph breaks, e.g. ``.item()``); Dynamo must not
+    try to compile them as user code."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trace_rules.SKIP_DIRS.append(package.replace(os.sep, "/") + "/")
+    trace_rules._recompile_re()
+
+
+def _install_default_backend() -> None:
     """Makes ``torch.compile(fn)`` without a backend (that is, Inductor) compile graphs whose inputs
     are on tpu with :func:`tpu_backend`; graphs on CPU or CUDA inputs still go to Inductor."""
     inductor = torch._TorchCompileInductorWrapper
@@ -44,4 +62,4 @@ def install_default_backend() -> None:
     inductor.__call__ = compile_graph
 
 
-__all__ = ["compile_stats", "install_default_backend", "reset_compile_stats", "tpu_backend"]
+__all__ = ["compile_stats", "install", "reset_compile_stats", "tpu_backend"]
