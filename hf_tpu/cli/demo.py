@@ -20,6 +20,7 @@ DEFAULT_SENTENCES = (
 # float32 results of one model on two backends; XLA may fuse and reorder reductions.
 TOLERANCE = 1e-3
 PROMPT = "The tpu device"
+RUNS = 5  # per way of running the model: the first compiles, the best of the others is the latency
 NEW_TOKENS = 16
 
 
@@ -30,7 +31,7 @@ def _compiled_embeddings(model: Any, tokenizer: Any, sentences: Sequence[str]) -
     from hf_tpu.compile import compile_stats
 
     before = compile_stats()
-    embeddings, seconds = timed_embed(torch.compile(model, backend="tpu"), tokenizer, sentences, "tpu", runs=3)
+    embeddings, seconds = timed_embed(torch.compile(model, backend="tpu"), tokenizer, sentences, "tpu", RUNS)
     after = compile_stats()
     return embeddings, seconds, {name: after[name] - before[name] for name in after}
 
@@ -38,9 +39,9 @@ def _compiled_embeddings(model: Any, tokenizer: Any, sentences: Sequence[str]) -
 def _embeddings_part(name: str, tokenizer: Any, model: Any, sentences: Sequence[str]) -> int:
     print(f"1. Sentence embeddings with {name} ({model.config.model_type}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, real weights)\n")
-    on_cpu, cpu_seconds = timed_embed(model, tokenizer, sentences, "cpu", runs=3)
+    on_cpu, cpu_seconds = timed_embed(model, tokenizer, sentences, "cpu", RUNS)
     model.to("tpu")
-    on_tpu, tpu_seconds = timed_embed(model, tokenizer, sentences, "tpu", runs=3)
+    on_tpu, tpu_seconds = timed_embed(model, tokenizer, sentences, "tpu", RUNS)
     print_similarities(sentences, on_tpu)
     eager_difference = (on_tpu.cpu() - on_cpu).abs().max().item()
     print(f"\nEmbeddings {tuple(on_tpu.shape)}: max |tpu - cpu| = {eager_difference:.2e} (tolerance {TOLERANCE:g})")
@@ -54,7 +55,7 @@ def _embeddings_part(name: str, tokenizer: Any, model: Any, sentences: Sequence[
         return 1
     compiled_difference = (compiled.cpu() - on_cpu).abs().max().item()
     print(f"Compiled (torch.compile(model, backend='tpu')): max |tpu - cpu| = {compiled_difference:.2e}")
-    print(f"Latency per batch after warm-up (best of 2): cpu {min(cpu_seconds[1:]) * 1e3:.1f} ms, "
+    print(f"Latency per batch after warm-up (best of {RUNS - 1}): cpu {min(cpu_seconds[1:]) * 1e3:.1f} ms, "
           f"tpu eager {min(tpu_seconds[1:]) * 1e3:.1f} ms, tpu compiled {min(compiled_seconds[1:]) * 1e3:.1f} ms")
     print(f"First run (compiles): tpu eager {tpu_seconds[0]:.2f} s (one XLA program per op), compiled "
           f"{compiled_seconds[0]:.2f} s ({stats['compilations']:.0f} XLA program(s), {stats['graphs']:.0f} graph(s))")
