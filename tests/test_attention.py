@@ -68,6 +68,17 @@ def test_three_dimensional_inputs_and_transposed_views():
     assert_same(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_output_is_laid_out_like_the_query():
+    """As on CPU: heads split off a (B, L, H*E) projection give an output that views back to (B, L, H*E)."""
+    x = torch.randn(2, 5, 32)
+    q = x.view(2, 5, 4, 8).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(q, q, q)
+    q_tpu = x.to("tpu").view(2, 5, 4, 8).transpose(1, 2)
+    actual = F.scaled_dot_product_attention(q_tpu, q_tpu, q_tpu)
+    assert actual.stride() == expected.stride()
+    assert_same(actual.transpose(1, 2).view(2, 5, 32), expected.transpose(1, 2).view(2, 5, 32), atol=1e-5, rtol=1e-5)
+
+
 def test_fully_masked_rows_give_zeros_like_the_math_path():
     mask = BOOL_MASK.clone()
     mask[1] = False

@@ -116,7 +116,16 @@ def fused_attention_kernel(query, key, value, attn_bias=None, dropout_p=0.0, is_
         _fused_arrays_kernel = build_kernel(resolve(_FUSED), Lowering(_fused_arrays))
     out, logsumexp, seed, offset = _fused_arrays_kernel(
         query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale=scale)
-    return out, logsumexp, None, None, query.size(-2), key.size(-2), seed, offset, None
+    return _laid_out_like(out, query), logsumexp, None, None, query.size(-2), key.size(-2), seed, offset, None
+
+
+def _laid_out_like(out, query):
+    """``out`` with its dims in memory in the order of ``query``'s, as CPU and the meta function return it: a
+    query transposed from (B, L, H, E) gives an output whose ``transpose(1, 2)`` is contiguous (``.view`` works)."""
+    order = sorted(range(query.dim()), key=query.stride, reverse=True)
+    if order == list(range(query.dim())):
+        return out
+    return out.permute(order).contiguous().permute([order.index(d) for d in range(query.dim())])
 
 
 @lowering("_scaled_dot_product_fused_attention_overrideable_backward")
