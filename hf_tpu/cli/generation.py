@@ -78,12 +78,13 @@ def run_generate(model_dir: Path, prompt: str, max_new_tokens: int, cache: str) 
 
 
 def random_llama(vocab_size: int) -> Any:
-    """A small Llama-architecture model with random weights (seeded), built locally: nothing to download."""
+    """A small Llama-architecture model with random weights (seeded), built locally: nothing to download.
+    It has no end-of-sequence token, so it always generates as many tokens as asked."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, initializer_range=0.2)
+                         tie_word_embeddings=True, initializer_range=0.2, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
