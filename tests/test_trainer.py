@@ -104,7 +104,8 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def train(tmp_path, use_cpu: bool, precision: str):
-    """``STEPS`` steps of transformers' Trainer with its defaults (fused AdamW, linear schedule)."""
+    """``STEPS`` steps of transformers' Trainer with its defaults (fused AdamW, linear schedule), then an
+    evaluation; returns the trainer and the losses, the evaluation's last."""
     from transformers import Trainer, TrainingArguments
 
     model = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
@@ -126,7 +127,7 @@ def train(tmp_path, use_cpu: bool, precision: str):
     trainer = Trainer(model=model, args=arguments, train_dataset=_Tokens())
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return trainer, torch.tensor(losses)
+    return trainer, torch.tensor(losses + [trainer.evaluate(_Tokens())["eval_loss"]])
 
 
 @pytest.mark.parametrize("precision", LOSS_TOLERANCE)
@@ -140,6 +141,6 @@ def test_trainer_losses_match_cpu(tmp_path, precision):
     assert parameter.device.type == "tpu"
     assert parameter.dtype == (torch.bfloat16 if precision == "bf16_model" else torch.float32)
     assert trainer.optimizer.optimizer.defaults["fused"]  # transformers' default: adamw_torch_fused
-    assert len(actual) == STEPS
+    assert len(actual) == STEPS + 1
     torch.testing.assert_close(actual, expected, **LOSS_TOLERANCE[precision])
     assert expected[-1] < expected[0]  # the steps did train
