@@ -44,3 +44,25 @@ def test_lstsq_rank_deficient(driver):
         return result.solution, result.rank, result.singular_values
 
     check_against_cpu(solve, a, b, atol=1e-4, rtol=1e-4)
+
+
+def _ldl_cases():
+    """Symmetric indefinite matrices that take 1x1 and 2x2 pivots with and without interchanges."""
+    general = torch.randn(6, 7, 7)
+    zero_diagonal = torch.randn(7, 7)
+    zero_diagonal.diagonal().zero_()  # forces 2x2 pivots
+    singular = torch.randn(7, 3) @ torch.randn(3, 7)
+    return torch.cat([general, zero_diagonal[None], (singular + singular.mT)[None], torch.zeros(1, 7, 7)])
+
+
+def test_ldl_factor():
+    a = _ldl_cases()
+    ld, pivots, info = check_against_cpu(torch.linalg.ldl_factor_ex, a, atol=1e-4, rtol=1e-4)
+    assert (pivots.cpu() < 0).any() and (info.cpu() > 0).any()  # both pivot kinds and a singular case ran
+
+
+def test_ldl_solve():
+    a = _ldl_cases()[:7]
+    ld, pivots = torch.linalg.ldl_factor(a)
+    check_against_cpu(torch.linalg.ldl_solve, ld, pivots, torch.randn(7, 7, 3), atol=1e-4, rtol=1e-4)
+    check_against_cpu(torch.linalg.ldl_solve, ld[0], pivots[0], torch.randn(2, 7, 2), atol=1e-4, rtol=1e-4)

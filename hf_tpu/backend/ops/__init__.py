@@ -10,3 +10,4 @@ from . import histogram  # noqa: F401
 from . import sampling  # noqa: F401
 from . import grid_sample  # noqa: F401
 from . import ctc  # noqa: F401
+from . import ldl  # noqa: F401
