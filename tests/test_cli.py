@@ -17,6 +17,19 @@ DEMO_SENTENCES = ["A man is playing a guitar.", "Someone is playing an instrumen
 TEXTS = ["the cat sat on the mat", "a dog ran to the park", "the big red dog"]
 
 
+@pytest.fixture(autouse=True)
+def _restore_transformers_logging(monkeypatch):
+    """The commands silence transformers' logging and progress bars process-wide; other tests need them back."""
+    from transformers.utils import logging
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    yield
+    logging.set_verbosity(verbosity)
+    if bars:
+        logging.enable_progress_bar()
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("cli_llama"))
