@@ -73,7 +73,9 @@ def _(mo):
 def _(torch):
     from transformers import AutoModel, AutoTokenizer
 
-    from hf_tpu.cli import DEFAULT_SENTENCES, default_model_path, embed
+    from hf_tpu.cli.demo import DEFAULT_SENTENCES
+    from hf_tpu.cli.embeddings import embed
+    from hf_tpu.cli.models import default_model_path
 
     _path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(_path)
