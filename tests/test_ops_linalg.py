@@ -66,3 +66,9 @@ def test_ldl_solve():
     ld, pivots = torch.linalg.ldl_factor(a)
     check_against_cpu(torch.linalg.ldl_solve, ld, pivots, torch.randn(7, 7, 3), atol=1e-4, rtol=1e-4)
     check_against_cpu(torch.linalg.ldl_solve, ld[0], pivots[0], torch.randn(2, 7, 2), atol=1e-4, rtol=1e-4)
+
+
+def test_eig():
+    """Complex eigenpairs of real matrices, in LAPACK's order and normalisation (the CPU platform's geev)."""
+    check_against_cpu(torch.linalg.eig, torch.randn(3, 5, 5), atol=1e-4, rtol=1e-4)
+    check_against_cpu(torch.linalg.eigvals, torch.randn(4, 4), atol=1e-4, rtol=1e-4)

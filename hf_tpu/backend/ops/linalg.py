@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .. import runtime
 from ..dispatch import lowering
 
 
@@ -370,3 +371,21 @@ def lstsq(self, b, rcond=None, driver=None):
     return ((solution[..., 0] if vector else solution), residuals,
             (empty_rank if driver == "gels" else rank),
             (s if driver in ("gelsd", "gelss") else jnp.zeros((0,), s.dtype)))
+
+
+@lowering("linalg_eig", "linalg_eig.out")
+def eig(self):
+    """Eigenvalues and right eigenvectors (unit norm, LAPACK ``geev``'s order and phases), complex.
+
+    XLA has a non-symmetric eigensolver on CPU (LAPACK) and GPU only; on TPU chips this raises.
+    """
+    if runtime.backing_platform() == "tpu":
+        raise NotImplementedError("aten::linalg_eig has no lowering on TPU chips: XLA has no non-symmetric "
+                                  "eigendecomposition there; call it on a CPU copy of the tensor")
+    values, vectors = jnp.linalg.eig(self)
+    return values, vectors
+
+
+@lowering("_linalg_eigvals", "linalg_eigvals.out")
+def eigvals(self):
+    return eig(self)[0]
