@@ -20,6 +20,7 @@ _lock = threading.RLock()
 INTEGRATIONS: dict[str, str] = {
     "transformers.generation.utils": "generation",
     "accelerate": "accelerate",
+    "transformers": "transformers",
 }
 
 

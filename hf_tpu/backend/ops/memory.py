@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -40,6 +41,19 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
     return storage.empty(size, dtype or torch.get_default_dtype(), _index(device), stride)
 
 
+_handed_over: set[int] = set()
+
+
+def hand_over(host: torch.Tensor) -> torch.Tensor:
+    """Marks a freshly read host tensor as having no other user, so that its first copy to a device on
+    JAX's CPU platform may keep its memory instead of copying it (see :func:`to_device`). For loaders
+    that read weights into new buffers (one trip from file to device); returns ``host``."""
+    pointer = host.untyped_storage().data_ptr()
+    _handed_over.add(pointer)
+    weakref.finalize(host, _handed_over.discard, pointer)
+    return host
+
+
 def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
     """Copies a host tensor to a device, converting dtype on the host first (fewer bytes to move)."""
     target = dtypes.to_jax(dtype)  # raises TypeError for a dtype the device cannot hold
@@ -49,7 +63,10 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
         host = host.to(dtype)
     host = host.contiguous()
     jax_device = runtime.device(device_index)
-    if jax_device.platform == "cpu" and host.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+    pointer = host.untyped_storage().data_ptr()
+    if pointer in _handed_over:
+        _handed_over.discard(pointer)
+    elif jax_device.platform == "cpu" and pointer == source.untyped_storage().data_ptr():
         # JAX's CPU platform aliases suitably aligned host memory even with may_alias=False (jax 0.10),
         # so a later in-place write to the host tensor would change the device tensor: copy first.
         host = host.clone()

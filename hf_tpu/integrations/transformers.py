@@ -1,0 +1,189 @@
+"""transformers: the hooks its "tpu" code paths need, for every supported release (5.x).
+
+- Loading onto tpu reads each weight from the safetensors file into a new host buffer that goes to the
+  device as is (:class:`SafetensorsReader`). transformers' default reader maps the whole file, so every
+  page read stays in the process's resident memory until loading ends (on JAX's CPU platform, next to
+  the device copy); with this reader peak host memory stays near the checkpoint size.
+- ``testing_utils``' backend tables get the tpu memory functions (5.24 binds only seed, count and
+  synchronize).
+- Releases without ``PreTrainedModel._default_compile_config`` compile generate's decode step with
+  ``CompileConfig()``'s inductor, which cannot run tpu tensors: there the default becomes the "tpu"
+  Dynamo backend with static shapes, as later releases do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+import threading
+from typing import Any, Callable
+
+import torch
+
+from . import when_imported
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class _Slice:
+    """One tensor of a :class:`SafetensorsReader`, read when indexed (as safetensors' ``PySafeSlice``)."""
+
+    def __init__(self, reader: SafetensorsReader, entry: dict) -> None:
+        self._reader = reader
+        self._entry = entry
+
+    def get_shape(self) -> list[int]:
+        return list(self._entry["shape"])
+
+    def get_dtype(self) -> str:
+        return self._entry["dtype"]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self._reader.read(self._entry)
+        return tensor if index is Ellipsis else tensor[index].clone()
+
+
+class SafetensorsReader:
+    """Reads a safetensors file with ``pread`` into new host buffers, one per tensor, each handed over
+    to the device copy (:func:`hf_tpu.backend.ops.memory.hand_over`). The subset of ``safe_open``'s
+    interface transformers' loader uses; safe to read from several threads."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        header = json.loads(os.pread(self._fd, length, 8))
+        self._metadata = header.pop("__metadata__", None)
+        self._entries = header
+        self._start = 8 + length
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def metadata(self) -> dict | None:
+        return self._metadata
+
+    def get_slice(self, name: str) -> _Slice:
+        return _Slice(self, self._entries[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.read(self._entries[name])
+
+    def read(self, entry: dict) -> torch.Tensor:
+        from ..backend.ops.memory import hand_over
+
+        begin, end = entry["data_offsets"]
+        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        while done < len(view):
+            read = os.preadv(self._fd, [view[done:]], self._start + begin + done)
+            if read == 0:
+                raise OSError(f"safetensors file ends before tensor data at byte {self._start + end}")
+            done += read
+        return hand_over(buffer.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"]))
+
+
+_loading = threading.local()
+
+
+def _targets_only_tpu(load_config: Any) -> bool:
+    device_map = getattr(load_config, "device_map", None)
+    if not device_map or getattr(load_config, "disable_mmap", False):
+        return False
+    return all(d != "disk" and torch.device(d).type == "tpu" for d in device_map.values())
+
+
+def _load_pretrained_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load(*args: Any, **kwargs: Any) -> Any:
+        load_config = kwargs.get("load_config", args[3] if len(args) > 3 else None)
+        _loading.to_tpu = _targets_only_tpu(load_config)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _loading.to_tpu = False
+
+    return staticmethod(load)
+
+
+def _safe_open(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def safe_open(filename: Any, framework: str, device: Any = "cpu", **kwargs: Any) -> Any:
+        if getattr(_loading, "to_tpu", False) and framework == "pt" and device == "cpu":
+            return SafetensorsReader(filename)
+        return original(filename, framework, device=device, **kwargs)
+
+    return safe_open
+
+
+def _fill_testing_tables(testing_utils: Any) -> None:
+    """Adds the tpu memory functions to ``testing_utils``' backend tables where a release left them out."""
+    if getattr(testing_utils, "torch_device", None) is None or not torch.tpu.is_available():
+        return
+    for table, function in (
+        ("BACKEND_EMPTY_CACHE", torch.tpu.empty_cache),
+        ("BACKEND_RESET_MAX_MEMORY_ALLOCATED", torch.tpu.reset_max_memory_allocated),
+        ("BACKEND_RESET_PEAK_MEMORY_STATS", torch.tpu.reset_peak_memory_stats),
+        ("BACKEND_MAX_MEMORY_ALLOCATED", torch.tpu.max_memory_allocated),
+        ("BACKEND_MEMORY_ALLOCATED", torch.tpu.memory_allocated),
+        ("BACKEND_SYNCHRONIZE", torch.tpu.synchronize),
+    ):
+        entries = getattr(testing_utils, table, None)
+        if isinstance(entries, dict):
+            entries.setdefault("tpu", function)
+
+
+def _default_compile_config(self: Any) -> Any:
+    from transformers.generation.configuration_utils import CompileConfig
+
+    if self.device.type == "tpu":
+        return CompileConfig(backend="tpu", dynamic=False, mode="default")
+    return CompileConfig()
+
+
+def _install_compile_default(modeling_utils: Any) -> None:
+    """For releases whose ``get_compiled_call`` builds ``CompileConfig()`` itself: on tpu, an unset config
+    means the "tpu" backend."""
+    model_class = modeling_utils.PreTrainedModel
+    if hasattr(model_class, "_default_compile_config") or not hasattr(model_class, "get_compiled_call"):
+        return
+    original = model_class.get_compiled_call
+
+    @functools.wraps(original)
+    def get_compiled_call(self: Any, compile_config: Any) -> Callable:
+        if compile_config is None and self.device.type == "tpu":
+            compile_config = _default_compile_config(self)
+        return original(self, compile_config)
+
+    model_class.get_compiled_call = get_compiled_call
+
+
+def _install_loading(modeling_utils: Any) -> None:
+    model_class = modeling_utils.PreTrainedModel
+    if getattr(model_class._load_pretrained_model, "__wrapped__", None) is not None:
+        return
+    if not hasattr(modeling_utils, "safe_open"):
+        return
+    model_class._load_pretrained_model = _load_pretrained_model(model_class._load_pretrained_model)
+    modeling_utils.safe_open = _safe_open(modeling_utils.safe_open)
+
+
+def install(transformers: Any) -> None:
+    """Registers the hooks above to run when the transformers modules they patch are imported."""
+    when_imported("transformers.modeling_utils", _install_loading)
+    when_imported("transformers.modeling_utils", _install_compile_default)
+    when_imported("transformers.testing_utils", _fill_testing_tables)
