@@ -72,3 +72,20 @@ def test_eig():
     """Complex eigenpairs of real matrices, in LAPACK's order and normalisation (the CPU platform's geev)."""
     check_against_cpu(torch.linalg.eig, torch.randn(3, 5, 5), atol=1e-4, rtol=1e-4)
     check_against_cpu(torch.linalg.eigvals, torch.randn(4, 4), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, beta, alpha", [(torch.float32, 0.6, 0.2), (torch.bfloat16, 0.6, 0.2),
+                                                (torch.int64, 2, 3), (torch.bool, True, True)])
+def test_addr(dtype, beta, alpha):
+    self, vec1, vec2 = (torch.randn(shape) * 4 for shape in ((5, 4), (5,), (4,)))
+    self[0, 0] = float("nan")  # ignored when beta == 0
+    args = [t.to(dtype) for t in (self.nan_to_num(), vec1, vec2)]
+    check_against_cpu(lambda s, a, b: torch.addr(s, a, b, beta=beta, alpha=alpha), *args)
+    check_against_cpu(lambda s, a, b: torch.addr(s, a, b, beta=0, alpha=alpha), self.to(dtype), *args[1:],
+                      equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_rounds_like_cpu(dtype):
+    check_against_cpu(lambda a, b: torch.linalg.cross(a, b, dim=1), torch.randn(50, 3, 4).to(dtype),
+                      torch.randn(1, 3, 4).to(dtype), atol=0, rtol=0)

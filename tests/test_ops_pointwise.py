@@ -419,3 +419,10 @@ def test_no_warnings_for_plain_ops():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         (X.to("tpu") * 2 + 1).exp().cpu()
+
+
+def test_bfloat16_trunc_division_rounds_the_quotient_first():
+    """CPU rounds a / b to bfloat16 before truncating: 17.99 becomes 18, not 17."""
+    torch.manual_seed(1)
+    x, y = (torch.randn(2000) * 30).bfloat16(), torch.randn(2000).bfloat16()
+    check_against_cpu(lambda a, b: torch.div(a, b, rounding_mode="trunc"), x, y, atol=0, rtol=0)

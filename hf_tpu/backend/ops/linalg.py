@@ -14,6 +14,7 @@ from jax import lax
 
 from .. import runtime
 from ..dispatch import lowering
+from ..dtypes import result_type
 
 
 def _check_same_dtype(first, second):
@@ -71,6 +72,38 @@ def baddbmm(self, batch1, batch2, beta=1, alpha=1):
 def addbmm(self, batch1, batch2, beta=1, alpha=1):
     product = _matmul(batch1, batch2).sum(axis=0)
     return _scaled_sum(self, product, beta, alpha, batch1.dtype)
+
+
+@lowering("addr", "addr_", "addr.out", static=("beta", "alpha"))
+def addr(self, vec1, vec2, beta=1, alpha=1):
+    """``beta * self + alpha * vec1 (x) vec2`` as CPU's kernel evaluates it: the scalars cast to the
+    dtype, then each operation rounded in it (so bfloat16 matches); ``beta == 0`` ignores ``self``,
+    NaN included; bool tensors use and/or."""
+    dtype = result_type(self, vec1, vec2)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        for name, value in (("beta", beta), ("alpha", alpha)):
+            if isinstance(value, float):
+                raise RuntimeError(f"For integral input tensors, argument {name} must not be a floating point number.")
+    self, column, row = self.astype(dtype), vec1.astype(dtype)[:, None], vec2.astype(dtype)[None, :]
+    if dtype == jnp.bool_:
+        product = column & row if alpha else jnp.zeros_like(column & row)
+        return product if not beta else (self | product)
+    product = jnp.asarray(alpha, dtype) * column * row
+    return product if beta == 0 else jnp.asarray(beta, dtype) * self + product
+
+
+@lowering("linalg_cross", "linalg_cross.out")
+def cross(self, other, dim=-1):
+    """The cross product along ``dim`` (size 3), each product and difference rounded in the dtype, as CPU."""
+    dtype = result_type(self, other)
+    shape = jnp.broadcast_shapes(self.shape, other.shape)
+    a, b = jnp.broadcast_to(self, shape).astype(dtype), jnp.broadcast_to(other, shape).astype(dtype)
+    axis = dim % len(shape)
+    if shape[axis] != 3:
+        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {self.shape[axis]} and "
+                           f"{other.shape[axis]}")
+    nxt, last = np.array([1, 2, 0]), np.array([2, 0, 1])
+    return (jnp.take(a, nxt, axis) * jnp.take(b, last, axis)) - (jnp.take(a, last, axis) * jnp.take(b, nxt, axis))
 
 
 # --- decompositions and solvers -----------------------------------------------------------------

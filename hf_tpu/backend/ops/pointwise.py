@@ -98,7 +98,10 @@ def div_mode(self, other, rounding_mode=None):
         raise RuntimeError(
             f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'"
         )
-    return _math(_trunc_divide if rounding_mode == "trunc" else _floor_divide, result_type(self, other), self, other)
+    dtype = result_type(self, other)
+    if rounding_mode == "trunc" and np.dtype(dtype) in _HALF:  # CPU rounds the quotient before truncating
+        return _math(lambda a, b: jnp.trunc((a / b).astype(dtype).astype(a.dtype)), dtype, self, other)
+    return _math(_trunc_divide if rounding_mode == "trunc" else _floor_divide, dtype, self, other)
 
 
 @lowering("floor_divide", "floor_divide_.Tensor", "floor_divide.out", "floor_divide.Scalar",
