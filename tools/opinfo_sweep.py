@@ -80,6 +80,13 @@ def tolerances(op, dtype) -> tuple[float, float]:
     return atol, rtol
 
 
+# OpInfos whose lowering uses an XLA feature that TPU chips lack: they pass on the CPU (and GPU)
+# platform, which is where the sweep runs, and raise NotImplementedError on TPU chips.
+NOT_ON_TPU_CHIPS = {
+    "linalg.eig": "non-symmetric eigendecomposition (XLA has it on CPU and GPU only)",
+    "linalg.eigvals": "non-symmetric eigendecomposition (XLA has it on CPU and GPU only)",
+}
+
 # Tensor arguments that the op requires on the CPU (as on CUDA), by position in (input, *args).
 CPU_ARGUMENTS = {"tensor_split": (1,)}
 
@@ -142,7 +149,8 @@ def compare(actual: Any, expected: Any, atol: float, rtol: float, values: bool =
     elif isinstance(expected, dict):
         compare([actual[k] for k in expected], list(expected.values()), atol, rtol, values)
     elif isinstance(expected, float) and isinstance(actual, float):
-        if values and not (abs(actual - expected) <= atol + rtol * abs(expected) or actual != actual and expected != expected):
+        both_nan = actual != actual and expected != expected
+        if values and not (abs(actual - expected) <= atol + rtol * abs(expected) or both_nan):
             raise Mismatch(f"scalar {actual} != {expected}")
     elif values and actual != expected:
         raise Mismatch(f"{actual!r} != {expected!r}")
@@ -373,6 +381,11 @@ def markdown(results: dict, command: str, seconds: float | None) -> str:
         lines += [f"| `{name}` | {dtype} | {', '.join(e['fallback_ops'])} |" for (name, dtype), e in served]
     else:
         lines.append("None.")
+    platform_bound = sorted((name, dtype) for (name, dtype), e in results.items()
+                            if e["status"] == "pass" and name in NOT_ON_TPU_CHIPS)
+    lines += ["", "## Passes that need the CPU or GPU platform", "",
+              "These pass here (JAX's CPU platform) but raise NotImplementedError on TPU chips.", ""]
+    lines += [f"- `{name}` ({dtype}): {NOT_ON_TPU_CHIPS[name]}" for name, dtype in platform_bound] or ["None."]
     cpu_errors = [(k, e) for k, e in sorted(results.items()) if e["status"] == "cpu-error"]
     lines += ["", "## Excluded: CPU reference raises", ""]
     lines += [f"- `{name}` ({dtype}): {e['reason']}" for (name, dtype), e in cpu_errors] or ["None."]
