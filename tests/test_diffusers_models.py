@@ -1,6 +1,6 @@
 """diffusers models loaded straight onto tpu, and diffusers' random numbers with CPU generators.
 
-Loading in bfloat16 (``torch_dtype=torch.bfloat16, device_map="tpu"``) is tested with a whole pipeline in
+Loading in bfloat16 (``dtype=torch.bfloat16, device_map="tpu"``) is tested with a whole pipeline in
 test_diffusers_pipelines.py.
 """
 

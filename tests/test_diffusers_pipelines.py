@@ -156,13 +156,13 @@ def test_pipeline_on_tpu_matches_cpu(name):
 
 
 def test_bfloat16_pipeline_from_pretrained_on_tpu(tmp_path):
-    """The saved pipeline loaded with ``torch_dtype=torch.bfloat16, device_map="tpu"``: every model lands on tpu in
+    """The saved pipeline loaded with ``dtype=torch.bfloat16, device_map="tpu"``: every model lands on tpu in
     bf16 (each through its own ``from_pretrained``) and the images stay within ``BF16_TOLERANCE`` of float32 CPU."""
     name = "pixart"
     pipe = build(name)
     expected = generate(pipe, name)
     pipe.save_pretrained(tmp_path)
-    loaded = type(pipe).from_pretrained(tmp_path, torch_dtype=torch.bfloat16, device_map="tpu")
+    loaded = type(pipe).from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="tpu")
     loaded.set_progress_bar_config(disable=True)
     models = [c for c in loaded.components.values() if isinstance(c, torch.nn.Module)]
     assert {(p.device.type, p.dtype) for model in models for p in model.parameters()} == {("tpu", torch.bfloat16)}
