@@ -202,3 +202,8 @@ def test_hash_tensor(dtype):
     x = (torch.randn(3, 4) * 5).to(dtype)
     check_against_cpu(torch.hash_tensor, x)
     check_against_cpu(lambda t: torch.hash_tensor(t, 1, keepdim=True), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_trace(dtype):
+    check_against_cpu(torch.trace, (torch.randn(4, 5) * 3).to(dtype))

@@ -47,3 +47,16 @@ def test_rrelu_training_draws_slopes_into_noise():
     assert torch.equal(noise[~negative], torch.ones_like(noise[~negative]))
     assert ((noise[negative] >= 0.1) & (noise[negative] <= 0.3)).all() and noise[negative].std() > 0.03
     torch.testing.assert_close(out, x * noise)
+
+
+def test_log_normal_cauchy_geometric_samplers():
+    """Distribution checks on 20000 draws (the medians and means are many standard errors apart
+    from what a wrong parameterisation would give); integer tensors take geometric draws."""
+    t = torch.empty(20000, device="tpu")
+    assert abs(t.log_normal_(1.0, 0.5).cpu().log().mean() - 1.0) < 0.02
+    assert abs(t.cauchy_(2.0, 1.0).cpu().median() - 2.0) < 0.05
+    draws = t.geometric_(0.25).cpu()
+    assert draws.min() >= 1 and torch.equal(draws, draws.round()) and abs(draws.mean() - 4.0) < 0.1
+    assert torch.empty(5, dtype=torch.int64, device="tpu").geometric_(0.5).dtype == torch.int64
+    with pytest.raises(RuntimeError, match="geometric_ expects p"):
+        t.geometric_(0.0)

@@ -114,6 +114,49 @@ def exponential_(self, lambd=1.0, generator=None):
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
+def _log_normal(parts, shape, dtype, mean, std):
+    return jnp.exp(jax.random.normal(key(parts), shape, _sample_dtype(dtype)) * std + mean).astype(dtype)
+
+
+@kernel("log_normal_")
+def log_normal_(self, mean=1.0, std=2.0, generator=None):
+    _check_floating(self, "log_normal_cpu")
+    if std <= 0:
+        raise RuntimeError(f"log_normal_ expects std > 0.0, but found std={std}")
+    return _fill(self, _log_normal, generator, mean, std)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _cauchy(parts, shape, dtype, median, sigma):
+    return (jax.random.cauchy(key(parts), shape, _sample_dtype(dtype)) * sigma + median).astype(dtype)
+
+
+@kernel("cauchy_")
+def cauchy_(self, median=0.0, sigma=1.0, generator=None):
+    if not self.is_floating_point():
+        raise RuntimeError("Cauchy distribution is a continuous probability distribution. dtype must be a floating "
+                           f"point but you specified {self.dtype}")
+    if sigma <= 0:
+        raise RuntimeError(f"cauchy_ expects sigma > 0.0, but found sigma={sigma}")
+    return _fill(self, _cauchy, generator, median, sigma)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _geometric(parts, shape, dtype, p):
+    """The number of Bernoulli(p) trials up to the first success, ``ceil(log(u) / log1p(-p))`` as CPU."""
+    u = jax.random.uniform(key(parts), shape, jnp.float64 if dtype == jnp.float64 else jnp.float32,
+                           minval=jnp.finfo(jnp.float32).tiny)
+    return jnp.ceil(jnp.log(u) / jnp.log1p(-p)).astype(dtype)
+
+
+@kernel("geometric_")
+def geometric_(self, p, generator=None):
+    if not 0 < p < 1:
+        raise RuntimeError(f"geometric_ expects p to be in (0, 1), but got p={p}")
+    return _fill(self, _geometric, generator, p)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _bernoulli(parts, shape, dtype, p):
     draws = jax.random.uniform(key(parts), shape, jnp.dtype("float32") if p.dtype != jnp.float64 else p.dtype)
     return (draws < jnp.broadcast_to(p, shape).astype(draws.dtype)).astype(dtype)

@@ -129,6 +129,16 @@ def prod_dim(self, dim, keepdim=False, dtype=None):
     return _prod(self, _dims(self, dim), keepdim, dtype)
 
 
+@lowering("trace", "trace.out")
+def trace(self):
+    """The sum of a matrix's diagonal, with ``sum``'s dtypes (integers give int64)."""
+    if self.dtype == jnp.bool_:
+        raise NotImplementedError('"trace" not implemented for \'Bool\'')
+    if self.ndim != 2:
+        raise RuntimeError(f"trace: expected a matrix, but got tensor with dim {self.ndim}")
+    return _sum(jnp.diagonal(self), (0,), False, None)
+
+
 @lowering("hash_tensor", "hash_tensor.out")
 def hash_tensor(self, dim=(), keepdim=False, mode=0):
     """XOR of the elements' 64-bit patterns (floats widened to float64, integers to int64), as uint64."""
