@@ -48,6 +48,30 @@ def test_device_map_places_the_model_on_tpu(llama_dir, device_map):
     torch.testing.assert_close(actual.cpu(), expected.detach(), **TOLERANCE)
 
 
+def test_tpu_loads_read_each_weight_once_into_a_buffer_the_device_keeps(llama_dir, monkeypatch):
+    from hf_tpu.backend.ops import memory
+    from hf_tpu.integrations import transformers as integration
+
+    reads = []
+    read = integration.SafetensorsReader.read
+    monkeypatch.setattr(
+        integration.SafetensorsReader, "read", lambda self, entry: reads.append(entry) or read(self, entry)
+    )
+    transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+    assert reads == []  # cpu loads keep transformers' mapped reader
+    transformers.LlamaForCausalLM.from_pretrained(llama_dir, device_map="tpu")
+    with safetensors.safe_open(os.path.join(llama_dir, "model.safetensors"), "pt") as checkpoint:
+        assert len(reads) == len(checkpoint.keys())
+    assert not memory._handed_over  # every buffer went to the device
+
+
+def test_grouped_mm_is_chosen_for_tpu_experts():
+    from transformers.integrations.moe import _can_use_grouped_mm
+
+    tokens, weights = torch.ones(4, 8, device="tpu"), torch.ones(2, 8, 4, device="tpu")
+    assert _can_use_grouped_mm(tokens, weights, torch.tensor([2, 4], dtype=torch.int32, device="tpu"))
+
+
 def test_accelerate_plans_with_tpu_memory():
     from accelerate.utils import get_max_memory
 

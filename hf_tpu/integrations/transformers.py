@@ -9,6 +9,8 @@
 - Releases without ``PreTrainedModel._default_compile_config`` compile generate's decode step with
   ``CompileConfig()``'s inductor, which cannot run tpu tensors: there the default becomes the "tpu"
   Dynamo backend with static shapes, as later releases do.
+- Releases whose ``_can_use_grouped_mm`` has no tpu branch send compiled float32 experts to a Python loop
+  of matmuls; tpu lowers ``aten::_grouped_mm`` for every dtype, eager and compiled, so it is always used.
 """
 
 from __future__ import annotations
@@ -172,6 +174,20 @@ def _install_compile_default(modeling_utils: Any) -> None:
     model_class.get_compiled_call = get_compiled_call
 
 
+def _install_grouped_mm(moe: Any) -> None:
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None or getattr(original, "__wrapped__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def can_use_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        if weight.device.type == "tpu":
+            return True
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use_grouped_mm
+
+
 def _install_loading(modeling_utils: Any) -> None:
     model_class = modeling_utils.PreTrainedModel
     if getattr(model_class._load_pretrained_model, "__wrapped__", None) is not None:
@@ -187,3 +203,4 @@ def install(transformers: Any) -> None:
     when_imported("transformers.modeling_utils", _install_loading)
     when_imported("transformers.modeling_utils", _install_compile_default)
     when_imported("transformers.testing_utils", _fill_testing_tables)
+    when_imported("transformers.integrations.moe", _install_grouped_mm)
