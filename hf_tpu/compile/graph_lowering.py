@@ -11,6 +11,7 @@ into a graph input) come out of the program as extra results and are written to 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import sys
 import time
@@ -112,6 +113,17 @@ def _materialize(value: Any, env: dict) -> Any:
     return value
 
 
+_SIZE_FUNCTIONS = frozenset(
+    {torch.sym_sum, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int, torch.sym_ite}
+)
+
+
+def _is_size_arithmetic(target: Any) -> bool:
+    """Python functions a graph applies to sizes and tuples: ``operator``/``math`` functions and
+    torch's ``sym_*`` helpers (Dynamo's automatic dynamic shapes emit ``sym_sum``)."""
+    return getattr(target, "__module__", None) in ("_operator", "math") or target in _SIZE_FUNCTIONS
+
+
 class _PythonStep:
     """A Python function on graph values (``operator.getitem`` of a split, arithmetic on sizes)."""
 
@@ -145,10 +157,17 @@ class _RandomStep(_Step):
 _RNG = "rng"  # the env entry of the RNG input: one [seed, offset] row per random node
 
 
+# Composite aliases that can survive into graphs with symbolic sizes, and the op each one is.
+_ALIASES = {
+    torch.ops.aten.true_divide.Tensor: torch.ops.aten.div.Tensor,
+    torch.ops.aten.true_divide.Scalar: torch.ops.aten.div.Scalar,
+}
+
+
 def _step(node: fx.Node, random_nodes: list[fx.Node]) -> _Step | _PythonStep:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
-        if getattr(target, "__module__", None) == "_operator":
+        if _is_size_arithmetic(target):
             return _PythonStep(node)
         raise NotImplementedError(f"tpu graph mode: no lowering for {target}")
     if target in GRAPH_LOWERINGS:
@@ -156,7 +175,7 @@ def _step(node: fx.Node, random_nodes: list[fx.Node]) -> _Step | _PythonStep:
     if target in RANDOM_LOWERINGS:
         random_nodes.append(node)
         return _RandomStep(node, RANDOM_LOWERINGS[target], len(random_nodes) - 1)
-    entry = _eager_lowerings().get(target)
+    entry = _eager_lowerings().get(_ALIASES.get(target, target))
     if entry is None:
         raise NotImplementedError(f"tpu graph mode: no lowering for the operator {target.name()}")
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
@@ -206,23 +225,34 @@ class CompiledGraph:
         for node in self._tensor_outputs:
             _check_on_device(node)
         self._layouts = [_dense_layout(node.meta["val"]) for node in self._tensor_outputs]
-        self._programs: dict[tuple[int, ...], Callable] = {}
+        self._executables: dict[tuple, Callable] = {}
         self._signature: tuple | None = None
-        self._traced = False
         self.name = f"graph {next(_graph_numbers)}"
         self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
         count("graphs")
 
-    def _program(self, donated: tuple[int, ...]) -> Callable:
-        """The jitted program that donates the arrays at positions ``donated`` of the tensor inputs."""
-        program = self._programs.get(donated)
-        if program is None:
-            donate = tuple(2 + position for position in donated)
-            program = self._programs[donated] = jax.jit(self._trace, static_argnums=0, donate_argnums=donate)
-        return program
+    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> Callable:
+        """The XLA executable for these inputs: built once per input signature and donation pattern.
+
+        Executables are shared between graphs through a fingerprint of their program: when Dynamo
+        recompiles a function as a graph with symbolic sizes, sizes met before reuse their programs.
+        """
+        start, loads = time.perf_counter(), recompiles.disk_cache_hits()
+        donate = tuple(2 + position for position in donated)
+        lowered = jax.jit(self._trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
+        device = arrays[0].devices() if arrays else None
+        fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), str(device))
+        executable = _EXECUTABLES.get(fingerprint)
+        if executable is None:
+            executable = _EXECUTABLES[fingerprint] = lowered.compile()
+            count("compilations")
+            count("disk_cache_hits", recompiles.disk_cache_hits() - loads)
+        else:
+            count("cache_hits")
+        count("compile_seconds", time.perf_counter() - start)
+        return executable
 
     def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple]:
-        self._traced = True
         signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
         if self._signature is not None:
             recompiles.log_retrace(self.name, self._signature, signature)
@@ -244,16 +274,15 @@ class CompiledGraph:
         args.clear()  # boxed convention: inputs (saved activations in backward) may die early
         device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
         arrays = [_read(t, device_index) for t in tensors + self._constants]
-        program = self._program(self._donatable(tensors, arrays))
+        donated = self._donatable(tensors, arrays)
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
-        self._traced, loads, start = False, recompiles.disk_cache_hits(), time.perf_counter()
-        outputs, written = program(static_values, rng, *arrays)
-        if self._traced:
-            count("compilations")
-            count("compile_seconds", time.perf_counter() - start)
-            count("disk_cache_hits", recompiles.disk_cache_hits() - loads)
+        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]))
+        executable = self._executables.get(key)
+        if executable is None:
+            executable = self._executables[key] = self._executable(donated, static_values, rng, arrays)
         else:
             count("cache_hits")
+        outputs, written = executable(rng, *arrays)
         count("calls")
         del arrays
         for position, value in zip(self._mutated_inputs, written):
@@ -281,6 +310,7 @@ class CompiledGraph:
 # loop variable and getrefcount's argument. More means someone else (another storage) holds it.
 _OWNED_REFERENCES = 4
 _graph_numbers = itertools.count(1)
+_EXECUTABLES: dict[tuple[str, str], Callable] = {}  # program fingerprint and devices -> executable
 
 
 def _rng_parts(count: int, device_index: int) -> Any:

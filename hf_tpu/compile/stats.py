@@ -29,9 +29,11 @@ def compile_stats() -> dict[str, float]:
 
     - ``graphs``: ATen graphs (forward or backward) lowered to a JAX function;
     - ``compilations``: XLA programs built, one per lowered graph and input signature (shapes, dtypes,
-      static sizes); a program loaded from the on-disk cache counts here and in ``disk_cache_hits``;
+      static sizes) unless an identical program exists already (a graph Dynamo recompiled with
+      symbolic sizes meeting a size seen before); a program loaded from the on-disk cache counts
+      here and in ``disk_cache_hits``;
     - ``cache_hits``: runs of an already built program;
-    - ``compile_seconds``: wall time of the runs that built a program (tracing and XLA compilation);
+    - ``compile_seconds``: wall time spent tracing, lowering and compiling (or loading) programs;
     - ``calls``: runs of a lowered graph (``compilations + cache_hits``);
     - ``fallbacks``: graphs with an operator graph mode cannot lower, run eagerly op by op instead.
     """
