@@ -168,3 +168,14 @@ def test_transformers_sdpa_attention_uses_the_fused_op():
         actual = model(ids.to("tpu")).logits
     assert FUSED in names and not names & set(UNFUSED), sorted(names)
     assert_same(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k, message", [
+    (K[:, :3], "Number of heads in key and value must divide"),
+    (K.half(), "Expected query, key, and value to have the same dtype"),
+])
+def test_bad_inputs_raise_as_on_cpu(k, message):
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match=message):
+            F.scaled_dot_product_attention(Q.to(device), k.to(device), V[:, :k.size(1)].to(k.dtype).to(device),
+                                           enable_gqa=True)

@@ -144,11 +144,13 @@ def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_
 
 
 def _choose(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> int:
-    """The overrideable (fused) backend unless dropout is on or the inputs are not 3-d or 4-d."""
+    """The overrideable (fused) backend, or the math path for dropout and for inputs the fused op does not take
+    (not 3-d or 4-d, or heads that do not group), where torch's own checks then raise CPU's errors."""
     if dropout_p != 0 or query.dim() not in (3, 4) or key.dim() != query.dim() or value.dim() != query.dim():
         return int(SDPBackend.MATH)
-    if not enable_gqa and key.size(-3) != query.size(-3):
-        return int(SDPBackend.MATH)  # the math path raises the shape error CPU raises
+    heads, kv_heads = query.size(-3), key.size(-3)
+    if value.size(-3) != kv_heads or (heads != kv_heads and not (enable_gqa and heads % kv_heads == 0)):
+        return int(SDPBackend.MATH)
     return int(SDPBackend.OVERRIDEABLE)
 
 
@@ -161,6 +163,10 @@ def fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                                  enable_gqa=False):
     """``F.scaled_dot_product_attention`` on tpu: the fused op when :func:`_choose` picks it, else torch's math path."""
+    if not query.dtype == key.dtype == value.dtype:
+        raise RuntimeError(
+            "Expected query, key, and value to have the same dtype, but got query.dtype: "
+            f"{query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead.")
     if _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) == int(SDPBackend.MATH):
         return torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
