@@ -131,12 +131,9 @@ def test_greedy_generate_matches_cpu(checkpoint, name):
     assert actual.cpu().tolist() == expected.tolist()
 
 
-# Graph mode has no lowering yet for the hand-written eager kernels of aten::index.Tensor (the MoE router's
-# gather) and aten::index_put (Gemma3's sliding-window cache update): those decode graphs run op by op.
-_GRAPH_FALLBACK = {
-    "qwen3_moe": "graph mode cannot lower aten::index.Tensor yet; the decode graph falls back to eager",
-    "gemma3": "graph mode cannot lower aten::index_put yet; the decode graph falls back to eager",
-}
+# Graph mode has no lowering yet for aten::index_put (Gemma3's sliding-window cache update): that decode
+# graph runs op by op.
+_GRAPH_FALLBACK = {"gemma3": "graph mode cannot lower aten::index_put yet; the decode graph falls back to eager"}
 
 
 @pytest.mark.parametrize(

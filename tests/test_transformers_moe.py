@@ -126,9 +126,9 @@ def test_qwen3_moe_runs_the_grouped_mm_experts_path(dtype):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "graph mode cannot lower aten::index.Tensor / aten::index_put yet, so the graph runs eagerly, and that run "
-    "fails: tpu eager results are contiguous where the fake tensors were not (an add of transposed inputs), "
-    "so the graph's aten.view of the attention output raises"))
+    "graph mode does not run Qwen3-MoE's forward graph yet: it cannot lower aten::index_put, and the eager "
+    "run of that graph fails (tpu eager results are contiguous where the fake tensors were not, so a view "
+    "of the attention output raises)"))
 def test_compiled_qwen3_moe_matches_cpu():
     cpu_model = tiny_qwen3_moe(torch.bfloat16)
     compiled = torch.compile(copy.deepcopy(cpu_model).to("tpu"), backend="tpu")
@@ -138,7 +138,7 @@ def test_compiled_qwen3_moe_matches_cpu():
     assert_same(actual, expected, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.xfail(strict=True, reason="graph mode cannot lower aten::index.Tensor / aten::index_put yet")
+@pytest.mark.xfail(strict=True, reason="graph mode cannot lower aten::index_put yet")
 def test_compiled_qwen3_moe_is_lowered_without_eager_fallback():
     compiled = torch.compile(tiny_qwen3_moe(torch.bfloat16).to("tpu"), backend="tpu")
     reset_compile_stats()
