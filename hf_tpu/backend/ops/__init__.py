@@ -11,3 +11,4 @@ from . import sampling  # noqa: F401
 from . import grid_sample  # noqa: F401
 from . import ctc  # noqa: F401
 from . import ldl  # noqa: F401
+from . import antialias  # noqa: F401
