@@ -12,11 +12,6 @@ import torch
 
 from test_diffusers_pipelines import FLOAT32_TOLERANCE, build, generate
 
-DYNAMIC_SHAPES_GAP = pytest.mark.xfail(
-    strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
-    reason="Dynamo's default automatic dynamic shapes recompile the second size as a graph with symbolic sizes; "
-           "graph mode cannot lower its torch.sym_sum node")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def strict_compile():
@@ -59,8 +54,8 @@ def test_compiled_unet_compiles_once_not_per_step(compiled_unet_pipeline):
     assert difference <= FLOAT32_TOLERANCE, f"max abs difference {difference}"
 
 
-@DYNAMIC_SHAPES_GAP
 def test_compiled_unet_compiles_once_for_a_new_size(compiled_unet_pipeline):
+    """torch's default ``dynamic=None``: Dynamo recompiles the second size as a graph with symbolic sizes."""
     pipe, _ = compiled_unet_pipeline
     assert compiles_and_runs(pipe, "stable_diffusion", height=48, width=48) == (1, 2)
     assert compiles_and_runs(pipe, "stable_diffusion", height=48, width=48) == (0, 2)
