@@ -58,7 +58,7 @@ index_reduce.amin index_reduce.prod index_reduce.mean nn.functional.pdist _segme
 _segment_reduce.offsets
 histogramdd geqrf ormqr linalg.ldl_factor linalg.ldl_solve linalg.eigvals special.airy_ai special.bessel_y1
 special.scaled_modified_bessel_k1 polygamma.polygamma_n_0 hash_tensor nn.functional.rrelu
-nn.functional.fractional_max_pool2d grid_sampler_3d
+nn.functional.fractional_max_pool2d grid_sampler_3d _upsample_bilinear2d_aa trace cauchy
 """.split()
 
 BFLOAT16 = """
