@@ -17,6 +17,7 @@ could not draw fresh randomness inside a jitted program.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -98,34 +99,32 @@ def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=
     return out, _logsumexp_shape(logsumexp), None, None, query.shape[-2], key.shape[-2], zero, zero, None
 
 
-def _fused_arrays(*args):
-    out, logsumexp, _, _, _, _, seed, offset, _ = fused_attention(*args)
-    return out, logsumexp, seed, offset
+_eager_kernels: dict[tuple[int, ...], Callable] = {}
 
 
-_fused_arrays_kernel = None
+def _eager_kernel(order: tuple[int, ...]) -> Callable:
+    """The op-table kernel of the forward's arrays, with the output's dims transposed into memory ``order``."""
+    built = _eager_kernels.get(order)
+    if built is None:
+        def arrays(*args):
+            out, logsumexp, _, _, _, _, seed, offset, _ = fused_attention(*args)
+            return out.transpose(order), logsumexp, seed, offset
+
+        built = _eager_kernels[order] = build_kernel(resolve(_FUSED), Lowering(arrays))
+    return built
 
 
 @kernel(_FUSED)
 def fused_attention_kernel(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False,
                            return_debug_mask=False, *, scale=None):
-    """Eager form of :func:`fused_attention`: the lengths are returned as Python ints, not device scalars that
-    torch would read back (a host sync per call)."""
-    global _fused_arrays_kernel
-    if _fused_arrays_kernel is None:
-        _fused_arrays_kernel = build_kernel(resolve(_FUSED), Lowering(_fused_arrays))
-    out, logsumexp, seed, offset = _fused_arrays_kernel(
+    """Eager form of :func:`fused_attention`. The output's dims lie in memory in the order of the query's, as CPU
+    and the meta function have it (a query transposed from (B, L, H, E) gives an output whose ``transpose(1, 2)``
+    views back to (B, L, H*E)); the lengths are Python ints, not device scalars torch would read back (a sync)."""
+    order = tuple(sorted(range(query.dim()), key=query.stride, reverse=True))
+    physical, logsumexp, seed, offset = _eager_kernel(order)(
         query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale=scale)
-    return _laid_out_like(out, query), logsumexp, None, None, query.size(-2), key.size(-2), seed, offset, None
-
-
-def _laid_out_like(out, query):
-    """``out`` with its dims in memory in the order of ``query``'s, as CPU and the meta function return it: a
-    query transposed from (B, L, H, E) gives an output whose ``transpose(1, 2)`` is contiguous (``.view`` works)."""
-    order = sorted(range(query.dim()), key=query.stride, reverse=True)
-    if order == list(range(query.dim())):
-        return out
-    return out.permute(order).contiguous().permute([order.index(d) for d in range(query.dim())])
+    out = physical.permute([order.index(d) for d in range(query.dim())])
+    return out, logsumexp, None, None, query.size(-2), key.size(-2), seed, offset, None
 
 
 @lowering("_scaled_dot_product_fused_attention_overrideable_backward")
