@@ -3,8 +3,8 @@
 ``F.scaled_dot_product_attention`` is CompositeImplicitAutograd: torch picks a backend with a C++
 dispatch stub that a Python backend cannot fill, and without it PrivateUse1 takes the unfused math
 decomposition (``_safe_softmax``, ``bmm``, one op each). So on tpu ``scaled_dot_product_attention``
-itself gets a kernel (at the autograd key, and at the backend key for inference mode) that asks
-``_fused_sdp_choice`` and, for the overrideable backend, calls
+itself gets a kernel (at the autograd key, and at the backend key for inference mode) that makes the
+choice tpu's ``_fused_sdp_choice`` reports and, for the overrideable backend, calls
 ``_scaled_dot_product_fused_attention_overrideable``. torch differentiates that op with
 ``_scaled_dot_product_fused_attention_overrideable_backward`` (derivatives.yaml); both are lowered
 from :func:`_attend`, the backward as its VJP. Graph mode sees the same two ops in its ATen graphs
