@@ -113,11 +113,12 @@ def _load_pretrained_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(*args: Any, **kwargs: Any) -> Any:
         load_config = kwargs.get("load_config", args[3] if len(args) > 3 else None)
+        outer = getattr(_loading, "to_tpu", False)
         _loading.to_tpu = _targets_only_tpu(load_config)
         try:
             return original(*args, **kwargs)
         finally:
-            _loading.to_tpu = False
+            _loading.to_tpu = outer
 
     return staticmethod(load)
 
@@ -149,14 +150,6 @@ def _fill_testing_tables(testing_utils: Any) -> None:
             entries.setdefault("tpu", function)
 
 
-def _default_compile_config(self: Any) -> Any:
-    from transformers.generation.configuration_utils import CompileConfig
-
-    if self.device.type == "tpu":
-        return CompileConfig(backend="tpu", dynamic=False, mode="default")
-    return CompileConfig()
-
-
 def _install_compile_default(modeling_utils: Any) -> None:
     """For releases whose ``get_compiled_call`` builds ``CompileConfig()`` itself: on tpu, an unset config
     means the "tpu" backend."""
@@ -168,7 +161,9 @@ def _install_compile_default(modeling_utils: Any) -> None:
     @functools.wraps(original)
     def get_compiled_call(self: Any, compile_config: Any) -> Callable:
         if compile_config is None and self.device.type == "tpu":
-            compile_config = _default_compile_config(self)
+            from transformers.generation.configuration_utils import CompileConfig
+
+            compile_config = CompileConfig(backend="tpu", dynamic=False, mode="default")
         return original(self, compile_config)
 
     model_class.get_compiled_call = get_compiled_call
