@@ -219,3 +219,24 @@ def test_safetensors_round_trip_of_every_dtype(tmp_path):
     for name, tensor in host.items():
         assert back[name].device == torch.device("tpu:0") and back[name].dtype == tensor.dtype, name
         assert torch.equal(_bits(back[name]), _bits(tensor)), name
+
+
+def test_releases_without_a_tpu_compile_default_get_the_tpu_backend():
+    """The hook for 5.x releases whose get_compiled_call builds ``CompileConfig()`` (inductor) itself."""
+    from types import SimpleNamespace
+
+    from hf_tpu.integrations.transformers import _install_compile_default
+
+    class OlderModel:
+        def __init__(self, device: str) -> None:
+            self.device = torch.device(device)
+
+        def get_compiled_call(self, compile_config):
+            return compile_config
+
+    _install_compile_default(SimpleNamespace(PreTrainedModel=OlderModel))
+    config = OlderModel("tpu").get_compiled_call(None)
+    assert (config.backend, config.dynamic, config.mode) == ("tpu", False, "default")
+    assert OlderModel("cpu").get_compiled_call(None) is None
+    user_config = transformers.CompileConfig(backend="eager")
+    assert OlderModel("tpu").get_compiled_call(user_config) is user_config
