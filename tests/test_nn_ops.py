@@ -252,3 +252,10 @@ def test_print(tensor):
     text = repr(tensor.to("tpu"))
     assert "device='tpu:0'" in text
     assert text.replace(", device='tpu:0'", "") == repr(tensor)
+
+
+def test_convolution_shape_errors_match_cpu():
+    x, weight = torch.randn(1, 4, 5, 5), torch.randn(2, 3, 3, 3)
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match=r"expected input\[1, 4, 5, 5\] to have 3 channels, but got 4"):
+            F.conv2d(x.to(device), weight.to(device))

@@ -2,7 +2,7 @@
 
 torch routes convolutions of backends other than CPU/CUDA to ``convolution_overrideable`` and
 ``convolution_backward_overrideable``; graph mode sees ``convolution`` and ``convolution_backward``, which the
-same lowerings serve (and then serve eager mode directly). The forward is one ``lax.conv_general_dilated``; a transposed
+same lowerings serve. The forward is one ``lax.conv_general_dilated``; a transposed
 convolution is the input gradient of a regular one: the input dilated by the stride, the kernel
 flipped and its in/out channels swapped per group. The backward is the JAX VJP of the forward.
 float32 runs at full precision, half types accumulate in float32, as the matrix products do.
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import torch
 from jax import lax
 
-from ..dispatch import lowering
+from ..dispatch import kernel, lowering
 from .linalg import _accumulator
 
 
@@ -51,12 +52,20 @@ def _conv(input, weight, stride, padding, dilation, transposed, output_padding, 
     )
 
 
-@lowering("convolution_overrideable", "convolution_overrideable.out", "convolution", "convolution.out")
+@lowering("convolution_overrideable", "convolution_overrideable.out", "convolution")
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     out = _conv(input, weight, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((1, -1) + (1,) * (out.ndim - 2))
     return out.astype(input.dtype)
+
+
+@kernel("convolution")
+def checked_convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """Eager ``convolution`` goes through ``_convolution``, whose shape checks raise CPU's errors, to the lowering
+    above; graph mode lowers ``convolution`` nodes with that lowering directly."""
+    return torch.ops.aten._convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                       groups, False, False, True, True)
 
 
 @lowering("convolution_backward_overrideable", "convolution_backward_overrideable.out")
