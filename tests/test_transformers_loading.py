@@ -108,13 +108,15 @@ cpu = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
 ids = torch.tensor([[5, 9, 17, 33, 2, 8]])
 expected = cpu(ids).logits
 greedy = cpu.generate(ids, max_new_tokens=3, do_sample=False).tolist()
+size = sum(p.numel() * p.element_size() for p in cpu.parameters())
 report = {}
-for name, device_map in (
-    ("tpu:1", "tpu:1"),
-    ("two chips", {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
-                   "model.norm": 1, "lm_head": 1}),
+for name, options in (
+    ("tpu:1", {"device_map": "tpu:1"}),
+    ("two chips", {"device_map": {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+                                  "model.layers.1": 1, "model.norm": 1, "lm_head": 1}}),
+    ("auto over two chips", {"device_map": "auto", "max_memory": {0: size // 2, 1: 2 * size}}),
 ):
-    model = transformers.LlamaForCausalLM.from_pretrained(directory, device_map=device_map).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, **options).eval()
     first = model.model.embed_tokens.weight.device
     with torch.no_grad():
         logits = model(ids.to(first)).logits
@@ -168,6 +170,13 @@ def test_device_map_dict_splits_layers_over_two_chips(two_chip_report):
     devices = report["devices"]
     assert devices["model.layers.0.self_attn.q_proj.weight"] == "tpu:0"
     assert devices["model.layers.1.self_attn.q_proj.weight"] == devices["lm_head.weight"] == "tpu:1"
+    assert report["logits"] < 1e-4 and report["greedy"]
+
+
+def test_device_map_auto_spreads_over_chips_by_their_memory(two_chip_report):
+    report = two_chip_report["auto over two chips"]
+    assert report["devices"]["model.embed_tokens.weight"] == "tpu:0"
+    assert report["devices"]["lm_head.weight"] == "tpu:1"
     assert report["logits"] < 1e-4 and report["greedy"]
 
 
