@@ -14,6 +14,10 @@ from ..dispatch import lowering
 from .linalg import _accumulator
 
 
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.issubdtype(dtype, jnp.inexact) else None
+
+
 def _group_sizes(offs):
     """Cumulative group ends -> group sizes (int32, as ``ragged_dot`` wants them)."""
     ends = offs.astype(jnp.int32)
@@ -27,24 +31,24 @@ def _ragged(lhs, rhs, offs, lhs_ragged: int, rhs_group: tuple, contracting: tupl
         lhs_ragged_dimensions=(lhs_ragged,),
         rhs_group_dimensions=rhs_group,
     )
-    precision = lax.Precision.HIGHEST if jnp.issubdtype(lhs.dtype, jnp.inexact) else None
     return lax.ragged_dot_general(
-        lhs, rhs, _group_sizes(offs), numbers, precision=precision, preferred_element_type=_accumulator(lhs.dtype)
+        lhs, rhs, _group_sizes(offs), numbers, precision=_precision(lhs.dtype),
+        preferred_element_type=_accumulator(lhs.dtype),
     )
 
 
 def _column_groups(self, mat2, offs):
     """3-D ``[G, M, K]`` x 2-D ``[K, N]`` with the columns of ``mat2`` grouped: one masked contraction over
     (group, K). Written densely because the ragged form needs a transposed result, which XLA's CPU
-    dot rejects for bfloat16; this case only arises in the backward of a 3-D x 2-D product."""
+    dot rejects for bfloat16; a rare form (MoE experts use 2-D x 3-D, and 2-D x 2-D in their backward)."""
     column = jnp.arange(mat2.shape[1])
     ends = offs.astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     mask = (column >= starts[:, None]) & (column < ends[:, None])  # [G, N]
     grouped = jnp.where(mask[:, None, :], mat2[None], jnp.zeros((), mat2.dtype))  # [G, K, N]
-    precision = lax.Precision.HIGHEST if jnp.issubdtype(self.dtype, jnp.inexact) else None
-    accumulator = _accumulator(self.dtype)
-    return jnp.einsum("gmk,gkn->mn", self, grouped, precision=precision, preferred_element_type=accumulator)
+    return jnp.einsum(
+        "gmk,gkn->mn", self, grouped, precision=_precision(self.dtype), preferred_element_type=_accumulator(self.dtype)
+    )
 
 
 def _check(self, mat2, offs, bias, out_dtype) -> None:
@@ -71,8 +75,8 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     """
     _check(self, mat2, offs, bias, out_dtype)
     if self.ndim == 3 and mat2.ndim == 3:
-        precision = lax.Precision.HIGHEST if jnp.issubdtype(self.dtype, jnp.inexact) else None
-        result = jnp.matmul(self, mat2, precision=precision, preferred_element_type=_accumulator(self.dtype))
+        accumulator = _accumulator(self.dtype)
+        result = jnp.matmul(self, mat2, precision=_precision(self.dtype), preferred_element_type=accumulator)
     elif self.ndim == 2 and mat2.ndim == 3:
         result = _ragged(self, mat2, offs, lhs_ragged=0, rhs_group=(0,), contracting=((1,), (1,)))
     elif self.ndim == 2:
