@@ -22,18 +22,6 @@ def strict_compile():
         torch._dynamo.reset()
 
 
-@pytest.fixture(scope="module")
-def compiled_unet_pipeline():
-    """The tiny StableDiffusionPipeline on tpu with ``torch.compile(pipe.unet, backend="tpu")``, and the images
-    of 3 steps of its CPU twin."""
-    name = "stable_diffusion"
-    pipe = build(name)
-    expected = generate(pipe, name, num_inference_steps=3)
-    pipe.to("tpu")
-    pipe.unet = torch.compile(pipe.unet, backend="tpu")
-    return pipe, expected
-
-
 def compiles_and_runs(pipe, name, **arguments) -> tuple[int, int]:
     """(programs compiled, programs run) during one pipeline call."""
     before = torch.tpu.compile_stats()
@@ -42,9 +30,12 @@ def compiles_and_runs(pipe, name, **arguments) -> tuple[int, int]:
     return after["compilations"] - before["compilations"], after["calls"] - before["calls"]
 
 
-def test_compiled_unet_compiles_once_not_per_step(compiled_unet_pipeline):
-    pipe, expected = compiled_unet_pipeline
+def test_compiled_unet_compiles_once_not_per_step():
     name = "stable_diffusion"
+    pipe = build(name)
+    expected = generate(pipe, name, num_inference_steps=3)
+    pipe.to("tpu")
+    pipe.unet = torch.compile(pipe.unet, backend="tpu")
     assert compiles_and_runs(pipe, name, num_inference_steps=1) == (1, 1)
     before = torch.tpu.compile_stats()
     actual = generate(pipe, name, num_inference_steps=3)  # a new timestep at each step: no new program
@@ -54,18 +45,12 @@ def test_compiled_unet_compiles_once_not_per_step(compiled_unet_pipeline):
     assert difference <= FLOAT32_TOLERANCE, f"max abs difference {difference}"
 
 
-def test_compiled_unet_compiles_once_for_a_new_size(compiled_unet_pipeline):
+def test_compiled_transformer_compiles_once_per_image_size():
     """torch's default ``dynamic=None``: Dynamo recompiles the second size as a graph with symbolic sizes."""
-    pipe, _ = compiled_unet_pipeline
-    assert compiles_and_runs(pipe, "stable_diffusion", height=48, width=48) == (1, 2)
-    assert compiles_and_runs(pipe, "stable_diffusion", height=48, width=48) == (0, 2)
-
-
-def test_transformer_compile_with_static_shapes_compiles_once_per_size():
     name = "flux"
     pipe = build(name)
     pipe.to("tpu")
-    pipe.transformer.compile(backend="tpu", dynamic=False)
+    pipe.transformer.compile(backend="tpu")
     assert compiles_and_runs(pipe, name) == (1, 2)
     assert compiles_and_runs(pipe, name, num_inference_steps=3) == (0, 3)
     assert compiles_and_runs(pipe, name, height=32, width=32) == (1, 2)
