@@ -53,7 +53,12 @@ def test_randn_tensor_with_cpu_generators():
     assert randn_tensor((2, 3), device=tpu).device.type == "tpu"  # no generator: the device's own seeded stream
 
 
-def test_tpu_generator_is_refused():
+def test_tpu_generator_is_refused_with_what_to_do_instead():
     """torch's Python device hooks cannot create device generators (README: pass a CPU generator instead)."""
-    with pytest.raises(NotImplementedError, match="getNewGenerator"):
-        torch.Generator(device="tpu")
+    for device in ("tpu", "tpu:0", torch.device("tpu")):
+        with pytest.raises(RuntimeError, match=r"Pass a CPU generator instead, e.g. torch.Generator\(\).manual_seed"):
+            torch.Generator(device=device)
+    generator = torch.Generator("cpu")
+    assert isinstance(generator, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+    expected = torch.randn(3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.randn(3, generator=generator.manual_seed(1)), expected)

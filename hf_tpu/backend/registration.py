@@ -63,6 +63,7 @@ def register() -> None:
         _patch_storage_constructor()
         _install_host_pinning()
         _guard_autograd_devices()
+        _explain_device_generators()
         integrations.install()
         graph_mode.install()
         _registered = True
@@ -239,3 +240,39 @@ def _guard_autograd_devices() -> None:
     checked_backward.__doc__, checked_grad.__doc__ = backward.__doc__, grad.__doc__
     checked_backward.__wrapped__, checked_grad.__wrapped__ = backward, grad
     torch.autograd.backward, torch.autograd.grad = checked_backward, checked_grad
+
+
+_GENERATOR_MESSAGE = (
+    "torch.Generator(device={device!r}) is not supported: PyTorch creates device generators only for C++ backends. "
+    "Pass a CPU generator instead, e.g. torch.Generator().manual_seed(0) (diffusers' randn_tensor and "
+    "transformers sample with it and move the numbers to tpu), or seed the device's own stream with "
+    "torch.manual_seed(0)."
+)
+
+
+def _explain_device_generators() -> None:
+    """``torch.Generator(device="tpu")`` fails with torch's note to C++ backend authors; make it say
+    what to do instead. Other devices get torch's own generator, unchanged."""
+    original = torch._C.Generator
+    if torch.Generator is not original:
+        return
+
+    class GeneratorType(type(original)):
+        """Keeps ``isinstance(g, torch.Generator)`` true for every generator torch makes."""
+
+        def __instancecheck__(cls, instance: Any) -> bool:
+            return isinstance(instance, original)
+
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            return issubclass(subclass, original)
+
+    class Generator(original, metaclass=GeneratorType):
+        __doc__ = original.__doc__
+
+        def __new__(cls, device: Any = None) -> Any:
+            if device is not None and torch.device(device).type == "tpu":
+                raise RuntimeError(_GENERATOR_MESSAGE.format(device=str(device)))
+            return original() if device is None else original(device)
+
+    Generator.__module__, Generator.__qualname__ = "torch", "Generator"
+    torch.Generator = Generator
