@@ -19,15 +19,22 @@ from ..backend.dispatch import LOWERINGS, resolve
 GRAPH_LOWERINGS: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 
 
-def graph_lowering(*names: str) -> Callable[[Callable], Callable]:
-    """Registers a graph-mode lowering for ATen overloads (names as in :func:`..backend.dispatch.lowering`)."""
+def registrar(table: dict) -> Callable[..., Callable[[Callable], Callable]]:
+    """A decorator factory that registers a function in ``table`` for ATen overloads (names as in
+    :func:`..backend.dispatch.lowering`)."""
 
-    def register(fn: Callable) -> Callable:
-        for name in names:
-            GRAPH_LOWERINGS[resolve(name)] = fn
-        return fn
+    def lowering(*names: str) -> Callable[[Callable], Callable]:
+        def register(fn: Callable) -> Callable:
+            for name in names:
+                table[resolve(name)] = fn
+            return fn
 
-    return register
+        return register
+
+    return lowering
+
+
+graph_lowering = registrar(GRAPH_LOWERINGS)
 
 
 def _dim(dim: int, ndim: int) -> int:

@@ -19,19 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ..backend.dispatch import resolve
 from ..backend.ops import nn, random
+from .graph_ops import registrar
 
 RANDOM_LOWERINGS: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
-
-
-def random_lowering(*names: str) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        for name in names:
-            RANDOM_LOWERINGS[resolve(name)] = fn
-        return fn
-
-    return register
+random_lowering = registrar(RANDOM_LOWERINGS)
 
 
 @random_lowering("rand")
