@@ -55,10 +55,19 @@ def lowering(
     def register(fn: Callable) -> Callable:
         entry = Lowering(fn, frozenset(static), writes_overlapping)
         for name in names:
+            _check_unregistered(LOWERINGS, name, fn)
             LOWERINGS[name] = entry
         return fn
 
     return register
+
+
+def _check_unregistered(table: dict, name: str, fn: Callable) -> None:
+    """Two modules registering one overload would leave it to import order which one serves it."""
+    if name in table:
+        previous = getattr(table[name], "fn", table[name])
+        first, second = (f"{f.__module__}.{f.__qualname__}" for f in (previous, fn))
+        raise ValueError(f"{name} is registered twice: {first} and {second}")
 
 
 def kernel(*names: str) -> Callable[[Callable], Callable]:
@@ -66,6 +75,7 @@ def kernel(*names: str) -> Callable[[Callable], Callable]:
 
     def register(fn: Callable) -> Callable:
         for name in names:
+            _check_unregistered(CUSTOM_KERNELS, name, fn)
             CUSTOM_KERNELS[name] = fn
         return fn
 
