@@ -131,16 +131,7 @@ def test_greedy_generate_matches_cpu(checkpoint, name):
     assert actual.cpu().tolist() == expected.tolist()
 
 
-# Graph mode has no lowering yet for aten::index_put (Gemma3's sliding-window cache update): that decode
-# graph runs op by op.
-_GRAPH_FALLBACK = {"gemma3": "graph mode cannot lower aten::index_put yet; the decode graph falls back to eager"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_GRAPH_FALLBACK[n])) if n in _GRAPH_FALLBACK else n
-     for n in GENERATORS],
-)
+@pytest.mark.parametrize("name", GENERATORS)
 def test_static_cache_generate_is_compiled_and_matches_cpu(checkpoint, name):
     """cache_implementation="static" makes generate compile the decode step with the "tpu" Dynamo backend."""
     path = checkpoint(name)

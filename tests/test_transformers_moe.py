@@ -125,9 +125,6 @@ def test_qwen3_moe_runs_the_grouped_mm_experts_path(dtype):
     assert_same(actual, expected, **({"atol": 3e-2, "rtol": 3e-2} if dtype == torch.bfloat16 else {}))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "graph mode cannot lower aten::index_put yet, so Qwen3-MoE's forward graph runs eagerly, and that run can "
-    "fail (aten::embedding handed a JAX tracer when its eager kernel is first traced there)"))
 def test_compiled_qwen3_moe_is_one_lowered_graph_matching_cpu():
     torch._dynamo.reset()  # earlier compiles of these modules must not push Dynamo into running them eagerly
     cpu_model = tiny_qwen3_moe(torch.bfloat16)

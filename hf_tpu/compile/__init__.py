@@ -9,6 +9,7 @@ eager mode uses (plus the graph-mode lowerings of :mod:`.graph_ops` for views, f
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -37,11 +38,16 @@ def install() -> None:
 
 
 def _skip_in_dynamo(trace_rules: Any) -> None:
-    """Dynamo runs hf_tpu's own frames without tracing them. The device's Python kernels run inside
-    user frames Dynamo watches (eager code between graph breaks, e.g. ``.item()``); Dynamo must not
-    try to compile them as user code."""
+    """Dynamo runs hf_tpu's and JAX's frames without tracing them. The device's Python kernels run
+    inside user frames Dynamo watches (eager code between graph breaks, e.g. ``.item()``, or a frame
+    Dynamo gave up on), and a kernel's first call traces its lowering with JAX: neither is user code,
+    and Dynamo's emulation of them fails (JAX's ``isinstance`` checks on tracers)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trace_rules.SKIP_DIRS.append(package.replace(os.sep, "/") + "/")
+    directories = [package] + [
+        location for name in ("jax", "jaxlib") if (spec := importlib.util.find_spec(name)) is not None
+        for location in spec.submodule_search_locations or ()
+    ]
+    trace_rules.SKIP_DIRS.extend(directory.replace(os.sep, "/") + "/" for directory in directories)
     trace_rules._recompile_re()
 
 

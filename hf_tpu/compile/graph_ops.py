@@ -212,3 +212,19 @@ def index(self, indices):
     if any(i is not None and i.dtype in (jnp.bool_, jnp.uint8) for i in indices):
         raise NotImplementedError("tpu graph mode: aten::index.Tensor with a boolean mask (data-dependent shape)")
     return LOWERINGS["_unsafe_index.Tensor"].fn(self, indices)
+
+
+@graph_lowering("index_put", "_index_put_impl")
+def index_put(self, indices, values, accumulate=False, unsafe=False):
+    """``self`` with ``values`` written (or added) at integer indices, or where a boolean mask that
+    indexes the leading dimensions is true (a fixed-shape select: the mask's count never matters)."""
+    present = [index for index in indices if index is not None]
+    if len(present) == 1 and len(indices) == 1 and present[0].dtype in (jnp.bool_, jnp.uint8):
+        mask = present[0].astype(jnp.bool_)
+        mask = jnp.reshape(mask, mask.shape + (1,) * (self.ndim - mask.ndim))
+        if values.size == 1:
+            values = jnp.reshape(values, ())
+            return jnp.where(mask, self + values if accumulate else values.astype(self.dtype), self)
+    if any(index.dtype in (jnp.bool_, jnp.uint8) for index in present):
+        raise NotImplementedError("tpu graph mode: aten::index_put with a boolean mask and several values")
+    return LOWERINGS["_unsafe_index_put"].fn(self, indices, values, accumulate)
