@@ -1,6 +1,6 @@
 """Neural-network ops: softmax, normalization, activations, embedding, losses, dropout.
 
-scaled_dot_product_attention takes its math path (matmuls and ``_safe_softmax``) on this device.
+scaled_dot_product_attention has its own fused lowering in :mod:`.attention`.
 
 Half-precision inputs are computed in float32 and rounded once, like torch's accumulate types.
 Backward ops asked (through ``output_mask``) not to compute a gradient return an empty tensor in its
