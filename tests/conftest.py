@@ -63,6 +63,22 @@ def tiny_llama(**overrides: Any) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, **overrides})).float()
 
 
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A tiny Llama and its offline tokenizer saved with save_pretrained (see tiny_models.py)."""
+    from tiny_models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory):
+    """A tiny BERT and its offline tokenizer saved with save_pretrained (see tiny_models.py)."""
+    from tiny_models import save_tiny_bert
+
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches and hf_tpu's compile counters start empty and are cleared afterwards."""

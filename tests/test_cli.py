@@ -11,7 +11,7 @@ import torch
 
 from hf_tpu.cli import main
 from test_packaging import SUBPROCESS_TIMEOUT, _environment, hf_tpu_command
-from tiny_models import minilm_path, save_tiny_bert, save_tiny_llama
+from tiny_models import minilm_path
 
 DEMO_SENTENCES = ["A man is playing a guitar.", "Someone is playing an instrument.", "The stock market fell."]
 TEXTS = ["the cat sat on the mat", "a dog ran to the park", "the big red dog"]
@@ -28,16 +28,6 @@ def _restore_transformers_logging(monkeypatch):
     logging.set_verbosity(verbosity)
     if bars:
         logging.enable_progress_bar()
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("cli_llama"))
-
-
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    return save_tiny_bert(tmp_path_factory.mktemp("cli_bert"))
 
 
 def run_command(*arguments: str) -> subprocess.CompletedProcess:

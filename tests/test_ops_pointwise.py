@@ -426,3 +426,25 @@ def test_bfloat16_trunc_division_rounds_the_quotient_first():
     torch.manual_seed(1)
     x, y = (torch.randn(2000) * 30).bfloat16(), torch.randn(2000).bfloat16()
     check_against_cpu(lambda a, b: torch.div(a, b, rounding_mode="trunc"), x, y, atol=0, rtol=0)
+
+
+LAYOUT_CASES = {
+    "unary on a transposed tensor": lambda x, other: torch.sigmoid(x),
+    "binary, transposed first": lambda x, other: x * other,
+    "binary, contiguous first": lambda x, other: other + x,
+    "broadcast scalar row": lambda x, other: x + other[0, 0],
+    "comparison": lambda x, other: x > other,
+    "sliced (not dense) input": lambda x, other: x[:, :, :2] * 2,
+}
+
+
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_pointwise_results_take_the_memory_layout_cpu_gives_them(name):
+    """TensorIterator lays a result out like its first operand: ``(x.mT * 2).mT`` is contiguous again."""
+    x = torch.randn(2, 3, 4).transpose(1, 2)
+    other = torch.randn(2, 4, 3)
+    expected = LAYOUT_CASES[name](x, other)
+    result = LAYOUT_CASES[name](x.to("tpu"), other.to("tpu"))
+    assert result.stride() == expected.stride()
+    torch.testing.assert_close(result.cpu(), expected)
+    torch.testing.assert_close(result.transpose(1, 2).reshape(-1).cpu(), expected.transpose(1, 2).reshape(-1))

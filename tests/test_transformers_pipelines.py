@@ -9,20 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import minilm_path, save_tiny_bert, save_tiny_llama
+from tiny_models import minilm_path
 
 PROMPTS = ["the cat sat on the", "a big dog"]  # different lengths: the batch is left-padded
 SENTENCES = ["the cat sat on the mat", "a big red dog ran to the park"]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
-
-
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
 def test_text_generation_pipeline_matches_cpu(llama_dir):

@@ -255,13 +255,15 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     position = {name: i for i, name in enumerate(names)}
     lowering_fn = entry.fn
     overlap_ok = entry.writes_overlapping
+    keeps_layout = torch.Tag.pointwise in op.tags and not destinations and len(returns) == 1
+    first_tensor = tensor_slots[0][1] if tensor_slots and tensor_slots[0][2] == _TENSOR else None
     jitted: dict[tuple, Callable] = {}
     n_inputs = len(inputs)
 
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, _, defaulted, views, _ = key
+        static_values, _, defaulted, views, _, order = key
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
             slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
         ]
@@ -277,7 +279,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 call[slot] = value
             for slot, value in fixed:
                 call[slot] = value
-            return lowering_fn(*call)
+            result = lowering_fn(*call)
+            return result if order is None else jax.numpy.transpose(result, order)
 
         fn = jitted[key] = jax.jit(traced, keep_unused=True)  # unused inputs still pin the chip
         return fn
@@ -310,12 +313,14 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     value = _scalar_array(value)
                 dynamic.append(value)
         static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
+        order = _memory_order(bound, first_tensor, tensor_slots) if keeps_layout and first_tensor is not None else None
         key = (
             static_values,
             tuple(map(type, static_values)),  # 4 == 4.0 == True, but arange(4) and arange(4.0) differ
             tuple(defaulted),
             tuple(reader.views) if reader.views else (),
             torch.get_default_dtype(),  # type promotion of Python floats depends on it
+            order,
         )
         fn = jitted.get(key) or compile_for(key)
         try:
@@ -345,10 +350,40 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         if isinstance(result, (tuple, list)):
             wrapped = [_wrap(r, device_index) for r in result]
             return wrapped if returns_list else tuple(wrapped)
+        if order is not None:
+            return _wrap_in_order(result, order, device_index)
         return _wrap(result, device_index)
 
     run.__name__ = f"tpu_{op.__name__}"
     return run
+
+
+def _memory_order(bound: list, first: int, tensor_slots: list) -> tuple[int, ...] | None:
+    """The dims of a pointwise op's result from outermost to innermost in memory, when its first
+    tensor input is laid out in another order than row-major and has the result's shape: as on CPU
+    (TensorIterator), the result then takes that input's layout, so ``(x.mT * 2).mT`` is contiguous
+    again. ``None`` means a contiguous result."""
+    tensor = bound[first]
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    stride = tensor.stride()
+    if len(set(stride)) != len(stride) or 0 in stride:
+        return None
+    shapes = [bound[index].shape for _, index, _ in tensor_slots if isinstance(bound[index], torch.Tensor)]
+    if torch.broadcast_shapes(*shapes) != tensor.shape:
+        return None
+    return tuple(sorted(range(tensor.dim()), key=lambda dim: -stride[dim]))
+
+
+def _wrap_in_order(physical: Any, order: tuple[int, ...], device_index: int) -> torch.Tensor:
+    """A new tpu tensor whose memory is ``physical`` (the result transposed into ``order``)."""
+    shape = [0] * len(order)
+    for position, dim in enumerate(order):
+        shape[dim] = physical.shape[position]
+    stride, step = [0] * len(order), 1
+    for dim in reversed(order):
+        stride[dim], step = step, step * shape[dim]
+    return storage.wrap_strided(physical, dtypes.to_torch(physical.dtype), device_index, tuple(shape), tuple(stride))
 
 
 def _wrap(array: Any, device_index: int) -> torch.Tensor | None:
