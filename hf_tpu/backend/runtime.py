@@ -53,20 +53,17 @@ def compilation_cache_dir() -> str | None:
     return None if value.strip().lower() in ("", "0", "off", "none", "false") else os.path.expanduser(value)
 
 
-_CACHE_MAX_BYTES = 4 * 2**30
-
-
 def _enable_compilation_cache(jax: Any) -> None:
     """Every program (eager operators and compiled graphs) goes to the on-disk cache, however quick
-    its compilation: a second process then skips XLA compilation. The cache keeps at most 4 GiB,
-    evicting the least recently used programs. A cache directory the user set for JAX itself is kept."""
+    its compilation: a second process then skips XLA compilation. The cache is not size-limited:
+    JAX's limit scans the cache on every write, which doubled the test suite's time; delete the
+    directory to reclaim space. A cache directory the user set for JAX itself is kept."""
     directory = compilation_cache_dir()
     if directory is None or jax.config.jax_compilation_cache_dir:
         return
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)  # least recently used go first
 
 
 @functools.cache
