@@ -420,12 +420,17 @@ def _check_dim_nonempty(self, dim, name):
         raise IndexError(f"{name}(): Expected reduction dim {dim} to have non-zero size.")
 
 
-@lowering("median", "median.out")
-def median_all(self):
+def _select_all(self, position):
+    """The element at ``position`` of all of ``self`` in order (NaN for an empty float tensor, 0 otherwise)."""
     if self.size == 0:
         return jnp.full((), jnp.nan, self.dtype) if jnp.issubdtype(self.dtype, jnp.inexact) else \
             jnp.zeros((), self.dtype)
-    return _select(self.reshape(-1), 0, False, _median_position)[0]
+    return _select(self.reshape(-1), 0, False, position)[0]
+
+
+@lowering("median", "median.out")
+def median_all(self):
+    return _select_all(self, _median_position)
 
 
 @lowering("median.dim", "median.dim_values")
@@ -436,10 +441,7 @@ def median_dim(self, dim, keepdim=False):
 
 @lowering("nanmedian", "nanmedian.out")
 def nanmedian_all(self):
-    if self.size == 0:
-        return jnp.full((), jnp.nan, self.dtype) if jnp.issubdtype(self.dtype, jnp.inexact) else \
-            jnp.zeros((), self.dtype)
-    return _select(self.reshape(-1), 0, False, _nanmedian_position)[0]
+    return _select_all(self, _nanmedian_position)
 
 
 @lowering("nanmedian.dim", "nanmedian.dim_values")
