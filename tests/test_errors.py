@@ -81,3 +81,38 @@ def test_device_index_past_the_last_device_raises(action):
 def test_unsupported_dtype_raises_type_error_naming_it():
     with pytest.raises(TypeError, match="complex32"):
         torch.zeros(2, dtype=torch.complex32).to("tpu")
+
+
+def _raise_in_hook(*args):
+    raise RuntimeError("raised by a hook")
+
+
+HOOKS = {
+    "tensor_hook_on_leaf": lambda leaf, out: leaf.register_hook(_raise_in_hook),
+    "tensor_hook": lambda leaf, out: out.register_hook(_raise_in_hook),
+    "node_prehook": lambda leaf, out: out.grad_fn.register_prehook(_raise_in_hook),
+    "node_hook": lambda leaf, out: out.grad_fn.register_hook(_raise_in_hook),
+    "accumulate_grad_prehook": lambda leaf, out: torch.autograd.graph.get_gradient_edge(leaf).node.register_prehook(
+        _raise_in_hook
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "hook, entry",
+    [(hook, "backward") for hook in HOOKS] + [(hook, "grad") for hook in HOOKS if hook != "accumulate_grad_prehook"],
+)
+def test_exception_in_an_autograd_hook_is_raised_not_an_abort(hook, entry):
+    """torch's C++ device guard calls into Python while the hook's exception is pending; that used to
+    end in std::terminate (the whole process aborted)."""
+    leaf = torch.randn(3, device="tpu", requires_grad=True)
+    out = leaf * 2
+    HOOKS[hook](leaf, out)
+    with pytest.raises(RuntimeError, match="raised by a hook"):
+        if entry == "backward":
+            out.sum().backward()
+        else:
+            torch.autograd.grad(out.sum(), leaf)
+    fresh = torch.randn(3, device="tpu", requires_grad=True)
+    (fresh * 3).sum().backward()  # the device and the engine still work
+    assert_same(fresh.grad, torch.full((3,), 3.0))

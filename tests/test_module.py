@@ -138,3 +138,46 @@ def test_mlp_forward_backward_matches_cpu():
     expected = run(_mlp(), inputs, target)
     actual = run(_mlp().tpu(), inputs.tpu(), target.tpu())
     assert_same(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_move_back_to_cpu_while_an_autograd_graph_holds_parameters():
+    """As torch does when ``.data`` cannot serve: a parameter the graph holds is left to the graph and the
+    module gets a new Parameter; the graph's backward still runs, into the objects it used."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).to("tpu")
+    used = list(model.parameters())
+    out = model(torch.randn(2, 4).to("tpu"))
+    model.cpu()
+    assert all(p.device.type == "cpu" and type(p) is nn.Parameter for p in model.parameters())
+    out.sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "tpu" for p in used)
+    expected = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    expected.load_state_dict(model.state_dict())
+    torch.testing.assert_close(model(torch.ones(1, 4)), expected(torch.ones(1, 4)))
+    model.to("tpu")  # and forth again
+    assert_same(model(torch.ones(1, 4, device="tpu")), expected(torch.ones(1, 4)))
+
+
+def test_tied_parameters_held_by_a_graph_stay_tied_when_moved():
+    model = TiedModel().to("tpu")
+    out = model.head(model.embed(torch.tensor([1, 2], device="tpu")))
+    model.cpu()
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.device.type == "cpu"
+    del out
+
+
+def test_dtype_change_between_forward_and_backward_works_as_on_cpu():
+    """diffusers' layerwise casting stores weights in low precision between forward and backward."""
+    results = {}
+    for device in ("cpu", "tpu"):
+        torch.manual_seed(0)
+        layer = nn.Linear(8, 8).to(device)
+        weight = layer.weight
+        out = layer(torch.ones(2, 8, device=device))
+        layer.to(dtype=torch.float16)
+        out.sum().backward()
+        assert layer.weight is weight and layer.weight.dtype == torch.float16
+        results[device] = (layer.weight.grad, layer.bias.grad)
+    for cpu, tpu in zip(results["cpu"], results["tpu"]):
+        assert tpu.dtype == cpu.dtype
+        assert_same(tpu, cpu)

@@ -6,7 +6,6 @@ table and JAX are loaded by the PrivateUse1 fallback on the first tpu op.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 from typing import Any
@@ -15,22 +14,6 @@ import torch
 
 _lock = threading.Lock()
 _registered = False
-
-
-class _Hooks(torch._C._acc.PrivateUse1Hooks):
-    def is_available(self) -> bool:
-        return True
-
-    def has_primary_context(self, device_index: int) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-
-class _Guard(torch._C._acc.DeviceGuard):
-    def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
 
 
 def register() -> None:
@@ -47,22 +30,20 @@ def register() -> None:
             )
         from .. import compile as graph_mode
         from .. import integrations
-        from . import autocast, device_module, fallback
+        from . import autocast, device_module, engine_hooks, fallback, module_conversion
 
         if name != "tpu":
             torch.utils.rename_privateuse1_backend("tpu")
         torch.utils.generate_methods_for_privateuse1_backend(for_storage=False)
         torch._register_device_module("tpu", device_module)
-        torch._C._acc.register_python_privateuseone_hook(_Hooks())
-        torch._C._acc.register_python_privateuseone_device_guard(_Guard())
+        engine_hooks.install()
         fallback.install()
         autocast.install()
         _install_backends_flag()
         _patch_accelerator(device_module)
-        _patch_module_conversion()
+        module_conversion.install()
         _patch_storage_constructor()
         _install_host_pinning()
-        _guard_autograd_devices()
         _explain_device_generators()
         integrations.install()
         graph_mode.install()
@@ -119,65 +100,6 @@ def _patch_accelerator(tpu: Any) -> None:
                 setattr(namespace, name, _delegating(original, replacement))
 
 
-_module_to = torch.nn.Module.to
-_module_cpu = torch.nn.Module.cpu
-
-
-def _holds_tpu_tensors(module: torch.nn.Module) -> bool:
-    return any(t.device.type == "tpu" for t in module.parameters()) or any(
-        t.device.type == "tpu" for t in module.buffers()
-    )
-
-
-@contextlib.contextmanager
-def _swap_params_on_conversion():
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    torch.utils.swap_tensors = _swap_keeping_attributes
-    try:
-        yield
-    finally:
-        torch.utils.swap_tensors = _swap_tensors
-        torch.__future__.set_swap_module_params_on_conversion(previous)
-
-
-_swap_tensors = torch.utils.swap_tensors
-
-
-def _swap_keeping_attributes(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """``Module._apply`` swaps each parameter with a fresh Parameter holding the moved data, which would
-    drop the parameter's Python attributes (``param.data = ...`` keeps them on CUDA): carry them over."""
-    for name, value in vars(t1).items():
-        vars(t2).setdefault(name, value)
-    _swap_tensors(t1, t2)
-
-
-def _patch_module_conversion() -> None:
-    """Moving a module to or from tpu swaps parameter contents in place, so they stay
-    ``nn.Parameter`` objects and tied weights (``lm_head``/``embed_tokens``) stay tied."""
-
-    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if (device is not None and device.type == "tpu") or _holds_tpu_tensors(self):
-            with _swap_params_on_conversion():
-                return _module_to(self, *args, **kwargs)
-        return _module_to(self, *args, **kwargs)
-
-    def cpu(self: torch.nn.Module) -> torch.nn.Module:
-        if _holds_tpu_tensors(self):
-            with _swap_params_on_conversion():
-                return _module_cpu(self)
-        return _module_cpu(self)
-
-    def tpu(self: torch.nn.Module, device: Any = None) -> torch.nn.Module:
-        return to(self, torch.device("tpu", device) if isinstance(device, int) else device or "tpu")
-
-    to.__doc__ = _module_to.__doc__
-    torch.nn.Module.to = to
-    torch.nn.Module.cpu = cpu
-    torch.nn.Module.tpu = tpu
-
-
 _storage_new = torch.UntypedStorage.__new__
 
 
@@ -212,34 +134,6 @@ def _install_host_pinning() -> None:
     library = torch.library.Library("aten", "IMPL")
     library.impl("_pin_memory", pin_memory, "CPU")
     _pinning_library.append(library)
-
-
-def _check_autograd_roots(tensors: Any) -> None:
-    roots = [tensors] if isinstance(tensors, torch.Tensor) else tensors
-    for tensor in roots or ():
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == "tpu" and tensor.device.index:
-            raise RuntimeError(
-                f"backward through tensors on {tensor.device} is not supported: torch's Python device guard "
-                "reports a single device, so the autograd engine only runs on tpu:0. Run one process per "
-                "chip (each process's chip is then tpu:0), as TorchTPU and the Hugging Face libraries do."
-            )
-
-
-def _guard_autograd_devices() -> None:
-    """The engine would fail an internal assert on ``tpu:k`` (k > 0); say why instead."""
-    backward, grad = torch.autograd.backward, torch.autograd.grad
-
-    def checked_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        _check_autograd_roots(tensors)
-        return backward(tensors, *args, **kwargs)
-
-    def checked_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
-        _check_autograd_roots(outputs)
-        return grad(outputs, *args, **kwargs)
-
-    checked_backward.__doc__, checked_grad.__doc__ = backward.__doc__, grad.__doc__
-    checked_backward.__wrapped__, checked_grad.__wrapped__ = backward, grad
-    torch.autograd.backward, torch.autograd.grad = checked_backward, checked_grad
 
 
 _GENERATOR_MESSAGE = (
