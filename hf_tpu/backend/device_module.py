@@ -148,8 +148,14 @@ class device(contextlib.ContextDecorator):
 def synchronize(device: Any = None) -> None:
     """Waits until every computation queued on the device has finished."""
     from . import storage
+    from .out_of_memory import raise_if_out_of_memory
 
-    storage.wait_for_pending(_index(device))
+    index = _index(device)
+    try:
+        storage.wait_for_pending(index)
+    except Exception as error:
+        raise_if_out_of_memory(error, index)
+        raise
 
 
 def manual_seed(seed: int) -> None:

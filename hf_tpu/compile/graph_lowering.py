@@ -25,6 +25,7 @@ from torch import fx
 
 from ..backend import dispatch, dtypes, random_state, runtime, storage
 from ..backend.ops.memory import to_device
+from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
 from . import recompiles
 from .graph_random import RANDOM_LOWERINGS
@@ -282,7 +283,11 @@ class CompiledGraph:
             executable = self._executables[key] = self._executable(donated, static_values, rng, arrays)
         else:
             count("cache_hits")
-        outputs, written = executable(rng, *arrays)
+        try:
+            outputs, written = executable(rng, *arrays)
+        except Exception as error:
+            raise_if_out_of_memory(error, device_index)
+            raise
         count("calls")
         del arrays
         for position, value in zip(self._mutated_inputs, written):

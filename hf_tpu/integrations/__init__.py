@@ -19,15 +19,23 @@ _lock = threading.RLock()
 # module name -> integration module (in this package) whose ``install(module)`` patches it
 INTEGRATIONS: dict[str, str] = {
     "transformers.generation.utils": "generation",
-    "accelerate": "accelerate",
+    "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
 }
 
 
+def _initializing(module: Any) -> bool:
+    """Whether ``module`` is still executing (it imported torch, say, before defining what it patches)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the loader of a watched module so that its callbacks run after it executes."""
+    """Wraps the loader of a watched module so that its callbacks run after it executes; runs the
+    callbacks of modules found half-imported once they are complete (at the next import)."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if _half_imported:
+            _run_completed()
         if fullname not in _pending:
             return None
         sys.meta_path.remove(self)
@@ -54,6 +62,16 @@ class _Loader(importlib.abc.Loader):
 
 
 _finder = _Finder()
+_half_imported: set[str] = set()
+
+
+def _run_completed() -> None:
+    with _lock:
+        done = [name for name in _half_imported if not _initializing(sys.modules.get(name))]
+        _half_imported.difference_update(done)
+    for name in done:
+        if name in sys.modules:
+            _run_callbacks(name)
 
 
 def _run_callbacks(name: str) -> None:
@@ -67,8 +85,10 @@ def when_imported(name: str, callback: Callable[[Any], None]) -> None:
     """Calls ``callback(module)`` once module ``name`` is imported: now if it already is, else right
     after its import finishes. Exceptions raised by the callback propagate to the importer."""
     with _lock:
-        if name not in sys.modules:
+        if name not in sys.modules or _initializing(sys.modules[name]):
             _pending.setdefault(name, []).append(callback)
+            if name in sys.modules:
+                _half_imported.add(name)
             if _finder not in sys.meta_path:
                 sys.meta_path.insert(0, _finder)
             return

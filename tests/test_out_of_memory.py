@@ -1,0 +1,86 @@
+"""Device allocation failures raise torch.OutOfMemoryError (CUDA's wording), and the device stays usable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_tpu.backend.out_of_memory import requested_bytes
+
+TOO_BIG = 1 << 42  # 4 TiB: refused at once by any host or chip here
+
+
+def test_eager_allocation_failure_is_torch_out_of_memory():
+    allocated = torch.tpu.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError, match=r"tpu out of memory\. Tried to allocate 4\.00 TiB\.") as info:
+        torch.empty(TOO_BIG, device="tpu", dtype=torch.uint8).fill_(1)
+    message = str(info.value)
+    assert "tpu:0" in message and "total capacity" in message and "is free" in message
+    assert "smaller batch" in message  # what to try
+    assert "RESOURCE_EXHAUSTED" in str(info.value.__cause__)  # the JAX error is chained
+    assert torch.tpu.memory_allocated() == allocated
+    torch.tpu.empty_cache()
+    x = torch.arange(4.0, device="tpu")
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_compiled_program_allocation_failure_is_torch_out_of_memory():
+    """The program's own buffer fails at run time (asynchronously): the next use says so."""
+
+    def huge(x):
+        return x.expand(1 << 21, 1 << 21) + 1
+
+    compiled = torch.compile(huge, backend="tpu")
+    with pytest.raises(torch.OutOfMemoryError, match=r"tpu out of memory\. Tried to allocate 16\.00 TiB"):
+        result = compiled(torch.ones(1 << 21, device="tpu"))
+        torch.tpu.synchronize()
+        result[0, :2].cpu()
+    del result
+    assert torch.compile(lambda x: x + 1, backend="tpu")(torch.ones(2, device="tpu")).tolist() == [2.0, 2.0]
+
+
+def test_accelerate_find_executable_batch_size_recovers():
+    from accelerate.utils import find_executable_batch_size
+
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def step(batch_size):
+        tried.append(batch_size)
+        rows = TOO_BIG if batch_size > 8 else batch_size  # fits from 8 down
+        return torch.ones(rows, 16, device="tpu").sum().item()
+
+    assert step() == tried[-1] * 16
+    assert tried[0] == 64 and tried[-1] <= 8 < tried[-2]  # accelerate shrinks by its own factor
+
+
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        ("RESOURCE_EXHAUSTED: Out of memory allocating 4398046511104 bytes.", 1 << 42),
+        ("RESOURCE_EXHAUSTED: Error allocating device buffer: Attempting to allocate 1.50G. That was not "
+         "possible. There are 500.0M free.", 3 << 29),
+        ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2048 bytes.", 2048),
+        ("RESOURCE_EXHAUSTED: something else", None),
+    ],
+)
+def test_requested_size_is_read_from_each_platforms_message(message, expected):
+    assert requested_bytes(message) == expected
+
+
+def test_importing_accelerate_first_registers_the_device():
+    """accelerate's __init__ imports torch (and so hf_tpu) before the modules hf_tpu patches exist."""
+    code = (
+        "import accelerate, torch\n"
+        "from accelerate.utils import modeling\n"
+        "assert torch.ones(1, device='tpu').device.type == 'tpu'\n"
+        "assert modeling.get_max_memory.__wrapped__ is not None\n"
+        "print(accelerate.Accelerator().device)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "not registered" not in done.stderr
+    assert done.stdout.strip() == "tpu"
