@@ -1,10 +1,16 @@
-"""transformers ``generate()`` with a static cache on tpu: cache lengths rounded up to buckets.
+"""transformers ``generate()`` with a static cache on tpu: cache lengths rounded up to buckets, invisibly.
 
-generate() sizes a StaticCache for prompt + new tokens and compiles the decode step for that
-cache shape; transformers keeps the largest length seen so far, so growing prompts still compile
-once per new length. On tpu the length is rounded up to a bucket (:func:`bucket`), so prompts of
-many lengths share a few programs. Results do not change: positions past the written part of a
-static cache are masked out of attention.
+generate() sizes a StaticCache for prompt + new tokens and compiles the decode step for that cache
+shape; transformers keeps the largest length seen so far, so growing prompts still compile once per
+new length. On tpu the length is rounded up to a bucket (:func:`bucket`), so prompts of many lengths
+share a few programs. Results do not change: positions past the written part of a static cache are
+masked out of attention. The cache generate hands back (``return_dict_in_generate=True``) is trimmed
+to the length it has on any other device (views of the bucketed buffers), so bucketing is invisible.
+An explicit ``max_cache_len`` in the generation config is the user's own choice of size: it is used
+as is, not bucketed.
+
+Patches ``GenerationMixin._prepare_cache_for_generation`` and ``GenerationMixin.generate`` of
+``transformers/generation/utils.py`` (transformers 5.x).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 _SMALLEST = 64
 _LARGEST_POWER_OF_TWO = 2048
+_VISIBLE = "_hf_tpu_visible_max_cache_length"  # on a model: the length its caches have elsewhere
 
 
 def bucket(length: int) -> int:
@@ -24,19 +31,67 @@ def bucket(length: int) -> int:
     return -(-length // _LARGEST_POWER_OF_TWO) * _LARGEST_POWER_OF_TWO
 
 
+def _static_cache(cache: Any) -> Any:
+    """The StaticCache of a decoder's cache (the self-attention half of an encoder-decoder cache)."""
+    return getattr(cache, "self_attention_cache", cache)
+
+
+def trim_to_visible_length(cache: Any) -> None:
+    """Cuts each layer of a bucketed static cache to the length the cache would have on another device."""
+    cache = _static_cache(cache)
+    length = getattr(cache, _VISIBLE, None)
+    if length is None:
+        return
+    for layer in cache.layers:
+        if length >= layer.max_cache_len:
+            continue
+        if getattr(layer, "is_sliding", False) and not layer._is_croppable:  # the window capped the bucket
+            layer._is_croppable = length <= layer.max_cache_len
+        if getattr(layer, "is_initialized", False):
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+        layer.max_cache_len = length
+    delattr(cache, _VISIBLE)
+
+
 def install(module: Any) -> None:
-    """Wraps ``GenerationMixin._prepare_static_cache`` of ``transformers.generation.utils``."""
+    """Wraps ``_prepare_cache_for_generation`` and ``generate`` of ``transformers.generation.utils``."""
     mixin = module.GenerationMixin
-    prepare = mixin._prepare_static_cache
+    prepare = mixin._prepare_cache_for_generation
+    generate = mixin.generate
     if getattr(prepare, "_hf_tpu", False):
         return
+    static_implementations = set(getattr(module, "ALL_STATIC_CACHE_IMPLEMENTATIONS", ("static",)))
 
     @functools.wraps(prepare)
-    def prepare_static_cache(self: Any, cache_implementation: str, batch_size: int, max_cache_len: int,
-                             *args: Any, **kwargs: Any) -> Any:
-        if self.device.type == "tpu":
-            max_cache_len = bucket(max_cache_len)
-        return prepare(self, cache_implementation, batch_size, max_cache_len, *args, **kwargs)
+    def prepare_cache_for_generation(self: Any, generation_config: Any, model_kwargs: dict, generation_mode: Any,
+                                     batch_size: int, max_cache_length: int, *args: Any, **kwargs: Any) -> Any:
+        if (
+            self.device.type != "tpu"
+            or generation_config.cache_implementation not in static_implementations
+            or model_kwargs.get("cache") is not None
+        ):
+            return prepare(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length,
+                           *args, **kwargs)
+        explicit = getattr(generation_config, "max_cache_len", None)
+        # what transformers sizes the cache to elsewhere: this call's need, the explicit size, earlier calls'
+        visible = max(max_cache_length, explicit or -1, getattr(self, _VISIBLE, -1))
+        setattr(self, _VISIBLE, visible)
+        length = max_cache_length if explicit is not None else bucket(visible)
+        result = prepare(self, generation_config, model_kwargs, generation_mode, batch_size, length, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if cache is not None:
+            setattr(_static_cache(cache), _VISIBLE, visible)
+        return result
 
-    prepare_static_cache._hf_tpu = True
-    mixin._prepare_static_cache = prepare_static_cache
+    @functools.wraps(generate)
+    def generate_then_trim(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = generate(self, *args, **kwargs)
+        cache = result.get("cache", result.get("past_key_values")) if hasattr(result, "get") else None
+        if cache is not None:
+            trim_to_visible_length(cache)
+        return result
+
+    prepare_cache_for_generation._hf_tpu = True
+    mixin._prepare_cache_for_generation = prepare_cache_for_generation
+    mixin.generate = generate_then_trim
