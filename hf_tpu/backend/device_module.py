@@ -147,7 +147,7 @@ class device(contextlib.ContextDecorator):
 
 def synchronize(device: Any = None) -> None:
     """Waits until every computation queued on the device has finished."""
-    from . import storage
+    from . import checks, storage
     from .out_of_memory import raise_if_out_of_memory
 
     index = _index(device)
@@ -156,6 +156,7 @@ def synchronize(device: Any = None) -> None:
     except Exception as error:
         raise_if_out_of_memory(error, index)
         raise
+    checks.raise_pending()
 
 
 def manual_seed(seed: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax
 import torch
 
-from . import device_module, dtypes, runtime, storage
+from . import checks, device_module, dtypes, runtime, storage
 from .out_of_memory import raising_torch_oom
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
@@ -264,7 +264,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, _, defaulted, views, _, order = key
+        static_values, _, defaulted, views, _, order, _ = key
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
             slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
         ]
@@ -280,8 +280,9 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 call[slot] = value
             for slot, value in fixed:
                 call[slot] = value
-            result = lowering_fn(*call)
-            return result if order is None else jax.numpy.transpose(result, order)
+            with checks.collecting() as collected:
+                result = lowering_fn(*call)
+            return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
         fn = jitted[key] = jax.jit(traced, keep_unused=True)  # unused inputs still pin the chip
         return fn
@@ -322,12 +323,15 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             tuple(reader.views) if reader.views else (),
             torch.get_default_dtype(),  # type promotion of Python floats depends on it
             order,
+            checks.MODE,
         )
         fn = jitted.get(key) or compile_for(key)
         try:
-            result = fn(*dynamic)
+            result, check = fn(*dynamic)
         except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
             raise RuntimeError(f"{op.name()}: {error}") from error
+        if check is not None:
+            checks.defer(check, reader.device_index or 0)
 
         if destinations:
             outs = [bound[i] for i in destinations]

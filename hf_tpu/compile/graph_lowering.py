@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from ..backend import dispatch, dtypes, random_state, runtime, storage
+from ..backend import checks, dispatch, dtypes, random_state, runtime, storage
 from ..backend.ops.memory import to_device
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
@@ -253,7 +253,7 @@ class CompiledGraph:
         count("compile_seconds", time.perf_counter() - start)
         return executable
 
-    def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple]:
+    def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple, Any]:
         signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
         if self._signature is not None:
             recompiles.log_retrace(self.name, self._signature, signature)
@@ -261,13 +261,14 @@ class CompiledGraph:
         env = dict(zip(self._static_nodes, static_values))
         env.update(zip(self._tensor_nodes + self._constant_nodes, arrays))
         env[_RNG] = rng
-        for step in self._steps:
-            env[step.node] = step.run(env)
+        with checks.collecting() as collected:
+            for step in self._steps:
+                env[step.node] = step.run(env)
         outputs = tuple(
             env[node] if order is None else jnp.transpose(env[node], order)
             for node, order in zip(self._tensor_outputs, self._layouts)
         )
-        return outputs, tuple(env[n] for n in self._mutation_nodes)
+        return outputs, tuple(env[n] for n in self._mutation_nodes), checks.combined(collected)
 
     def __call__(self, args: list) -> list:
         tensors = [args[i] for i in self._tensor_positions]
@@ -277,18 +278,20 @@ class CompiledGraph:
         arrays = [_read(t, device_index) for t in tensors + self._constants]
         donated = self._donatable(tensors, arrays)
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
-        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]))
+        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE)
         executable = self._executables.get(key)
         if executable is None:
             executable = self._executables[key] = self._executable(donated, static_values, rng, arrays)
         else:
             count("cache_hits")
         try:
-            outputs, written = executable(rng, *arrays)
+            outputs, written, check = executable(rng, *arrays)
         except Exception as error:
             raise_if_out_of_memory(error, device_index)
             raise
         count("calls")
+        if check is not None:
+            checks.defer(check, device_index)
         del arrays
         for position, value in zip(self._mutated_inputs, written):
             storage.write(tensors[position], value)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from .. import storage
+from .. import checks, storage
 from ..dispatch import kernel, lowering
 from ..dtypes import result_type
 from .memory import to_device, to_host
@@ -39,14 +39,23 @@ def _numpy_index(indices):
     return tuple(slice(None) if index is None else index for index in indices)
 
 
+def _check_indices(self, indices) -> None:
+    """As the CPU's index kernels: the dimension a message names counts only the indexed dimensions."""
+    present = [(dim, index) for dim, index in enumerate(indices) if index is not None]
+    for position, (dim, index) in enumerate(present):
+        checks.indices_in_range(index, self.shape[dim], IndexError, checks.out_of_bounds(position, self.shape[dim]))
+
+
 @lowering("_unsafe_index.Tensor")
 def unsafe_index(self, indices):
     """Advanced indexing with integer index tensors (``None`` keeps a dimension whole)."""
+    _check_indices(self, indices)
     return self[_numpy_index(indices)]
 
 
 @lowering("_unsafe_index_put")
 def unsafe_index_put(self, indices, values, accumulate=False):
+    _check_indices(self, indices)
     target = self.at[_numpy_index(indices)]
     values = values.astype(self.dtype)
     return target.add(values) if accumulate else target.set(values)
@@ -155,6 +164,8 @@ def masked_select(self, mask):
 
 @lowering("index_select", "index_select.out")
 def index_select(self, dim, index):
+    size = self.shape[dim] if self.ndim else 1
+    checks.indices_in_range(index, size, IndexError, _OUT_OF_RANGE, negative=False)
     if self.ndim == 0:
         return self
     return jnp.take(self, index.reshape(-1), axis=dim % self.ndim, mode="clip")
@@ -163,12 +174,24 @@ def index_select(self, dim, index):
 @lowering("take", "take.out")
 def take(self, index):
     """Elements of the flattened ``self``; negative indices count from the end."""
+    checks.indices_in_range(index, self.size, IndexError, _flat_out_of_range(self.size))
     return jnp.take(self.reshape(-1), index)
 
 
-def _index_along(self, dim, index):
-    """The ``.at`` target of ``self`` at positions ``index`` (a vector) of dimension ``dim``."""
+_OUT_OF_RANGE = "index out of range in self"
+_BOUNDS = "index {} is out of bounds for dimension {dim} with size {size}"
+
+
+def _flat_out_of_range(size: int) -> str:
+    return f"out of range: tried to access index {{}} on a tensor of {size} elements."
+
+
+def _index_along(self, dim, index, message=_OUT_OF_RANGE, negative=False):
+    """The ``.at`` target of ``self`` at positions ``index`` (a vector) of dimension ``dim``, checked
+    against that dimension's size (``message``: the CPU's error for a bad index)."""
     axis = dim % max(self.ndim, 1)
+    checks.indices_in_range(index, self.shape[axis], IndexError, message.format("{}", dim=axis, size=self.shape[axis]),
+                            negative=negative)
     return self.at[(slice(None),) * axis + (index.reshape(-1),)], axis
 
 
@@ -200,7 +223,7 @@ def index_add(self, dim, index, source, alpha=1):
 @lowering("index_copy", "index_copy_", "index_copy.out")
 @_as_vector
 def index_copy(self, dim, index, source):
-    target, axis = _index_along(self, dim, index)
+    target, axis = _index_along(self, dim, index, "index_copy_(): " + _BOUNDS)
     return target.set(_source_for(self, axis, index, source))
 
 
@@ -208,7 +231,7 @@ def index_copy(self, dim, index, source):
           "index_fill.int_Scalar_out", "index_fill.int_Tensor_out")
 @_as_vector
 def index_fill(self, dim, index, value):
-    target, _ = _index_along(self, dim, index)
+    target, _ = _index_along(self, dim, index, _BOUNDS, negative=True)
     return target.set(jnp.asarray(value).astype(self.dtype))
 
 
@@ -240,6 +263,7 @@ def put(self, index, source, accumulate=False):
     """Writes ``source`` into the flattened ``self`` at ``index`` (negative counts from the end)."""
     flat = self.reshape(-1)
     index = index.reshape(-1)
+    checks.indices_in_range(index, flat.size, IndexError, _flat_out_of_range(flat.size))
     target = flat.at[jnp.where(index < 0, index + flat.size, index)]
     values = source.reshape(-1).astype(self.dtype)
     return (target.add(values) if accumulate else target.set(values)).reshape(self.shape)
@@ -293,9 +317,17 @@ def _identity(reduce, dtype):
     return jnp.asarray(jnp.iinfo(dtype).min if reduce == "amax" else jnp.iinfo(dtype).max, dtype)
 
 
+def _check_along(self, index, dim) -> None:
+    """scatter and gather: every index addresses ``self`` along ``dim`` (no negative indices)."""
+    axis = dim % index.ndim
+    checks.indices_in_range(index, self.shape[axis], RuntimeError, checks.out_of_bounds(axis, self.shape[axis]),
+                            negative=False)
+
+
 def _scatter_reduce(self, dim, index, src, reduce, include_self):
     shape = self.shape
     self, index = jnp.atleast_1d(self), jnp.atleast_1d(index)
+    _check_along(self, index, dim)
     positions = _scatter_positions(index, dim)
     values = _scatter_source(src, index, self.dtype)
     if reduce == "set":
@@ -323,6 +355,7 @@ def gather(self, dim, index, sparse_grad=False):
     if index.size == 0:
         return jnp.zeros(shape, self.dtype)
     self, index = jnp.atleast_1d(self), jnp.atleast_1d(index)
+    _check_along(self, index, dim)
     axis = dim % index.ndim
     window = self[tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))]
     return jnp.take_along_axis(window, index, axis=axis, mode="clip").reshape(shape)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import device_module, dtypes, runtime, storage
+from .. import checks, device_module, dtypes, runtime, storage
 from ..dispatch import check_no_internal_overlap, device_mismatch, kernel, lowering
 
 
@@ -82,7 +82,8 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A new CPU tensor with a tpu tensor's values."""
+    """A new CPU tensor with a tpu tensor's values (a host sync: raises the checks pending)."""
+    checks.raise_pending()
     array = np.asarray(storage.read(tensor))
     if not array.flags.writeable or not array.flags.c_contiguous:
         array = np.array(array, order="C")
@@ -203,6 +204,7 @@ def _astype(dtype: Any):
 
 @kernel("_local_scalar_dense")
 def _local_scalar_dense(self):
+    checks.raise_pending()
     return np.asarray(storage.read(self)).item()
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import dtypes, storage
+from .. import checks, dtypes, storage
 from ..dispatch import kernel, lowering
 from . import random
 
@@ -242,6 +242,7 @@ def silu_backward(grad_output, self):
 
 @lowering("embedding", "embedding.out")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    checks.indices_in_range(indices, weight.shape[0], IndexError, "index out of range in self", negative=False)
     return jnp.take(weight, indices, axis=0, mode="clip")
 
 
@@ -303,6 +304,9 @@ def _nll_parts(self, target, weight, ignore_index):
     """Per-element losses and weights, class dimension 1 (0 for an unbatched input)."""
     class_axis = 0 if self.ndim == 1 else 1
     kept = target != ignore_index
+    if target.size:
+        bad = kept & ((target < 0) | (target >= self.shape[class_axis]))
+        checks.require(~jnp.any(bad), IndexError, "Target {} is out of bounds.", target.reshape(-1)[jnp.argmax(bad)])
     safe_target = jnp.where(kept, target, 0)
     picked = jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis)
     picked = jnp.squeeze(picked, class_axis)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from .. import dtypes
+from .. import checks, dtypes
 from ..dispatch import lowering
 from ..dtypes import result_type
 
@@ -99,6 +99,7 @@ def div_mode(self, other, rounding_mode=None):
             f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'"
         )
     dtype = result_type(self, other)
+    checks.nonzero_divisor(other, dtype)
     if rounding_mode == "trunc" and np.dtype(dtype) in _HALF:  # CPU rounds the quotient before truncating
         return _math(lambda a, b: jnp.trunc((a / b).astype(dtype).astype(a.dtype)), dtype, self, other)
     return _math(_trunc_divide if rounding_mode == "trunc" else _floor_divide, dtype, self, other)
@@ -107,18 +108,24 @@ def div_mode(self, other, rounding_mode=None):
 @lowering("floor_divide", "floor_divide_.Tensor", "floor_divide.out", "floor_divide.Scalar",
           "floor_divide_.Scalar", "floor_divide.Scalar_out")
 def floor_divide(self, other):
-    return _math(_floor_divide, result_type(self, other), self, other)
+    dtype = result_type(self, other)
+    checks.nonzero_divisor(other, dtype)
+    return _math(_floor_divide, dtype, self, other)
 
 
 @lowering("remainder.Tensor", "remainder_.Tensor", "remainder.Tensor_out", "remainder.Scalar", "remainder_.Scalar",
           "remainder.Scalar_out", "remainder.Scalar_Tensor", "remainder.Scalar_Tensor_out")
 def remainder(self, other):
-    return _math(jnp.remainder, result_type(self, other), self, other)
+    dtype = result_type(self, other)
+    checks.nonzero_divisor(other, dtype)
+    return _math(jnp.remainder, dtype, self, other)
 
 
 @lowering("fmod.Tensor", "fmod_.Tensor", "fmod.Tensor_out", "fmod.Scalar", "fmod_.Scalar", "fmod.Scalar_out")
 def fmod(self, other):
-    return _math(jnp.fmod, result_type(self, other), self, other)
+    dtype = result_type(self, other)
+    checks.nonzero_divisor(other, dtype)
+    return _math(jnp.fmod, dtype, self, other)
 
 
 def _power(base, exponent):
