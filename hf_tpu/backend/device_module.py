@@ -63,7 +63,9 @@ def _lazy_init() -> None:
 
 
 def _is_in_bad_fork() -> bool:
-    return False
+    from .guard import in_bad_fork
+
+    return in_bad_fork()
 
 
 def device_count() -> int:
@@ -148,8 +150,10 @@ class device(contextlib.ContextDecorator):
 def synchronize(device: Any = None) -> None:
     """Waits until every computation queued on the device has finished."""
     from . import checks, storage
+    from .guard import check_not_forked
     from .out_of_memory import raise_if_out_of_memory
 
+    check_not_forked()
     index = _index(device)
     try:
         storage.wait_for_pending(index)

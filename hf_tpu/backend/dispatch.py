@@ -26,7 +26,7 @@ import jax
 import torch
 
 from . import checks, device_module, dtypes, runtime, storage
-from .out_of_memory import raising_torch_oom
+from .guard import guarded
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
 _REQUIRED = object()
@@ -428,7 +428,7 @@ class Table:
                     raise RuntimeError(f"{op.name()} is CompositeImplicitAutograd: lower what it decomposes into")
                 if op.namespace not in libraries:
                     libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
-                libraries[op.namespace].impl(op, raising_torch_oom(fn), "PrivateUse1")
+                libraries[op.namespace].impl(op, guarded(fn), "PrivateUse1")
                 installed.add(op.name())
             self.installed = frozenset(installed)
             self._libraries = libraries

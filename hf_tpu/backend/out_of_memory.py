@@ -10,9 +10,7 @@ the JAX error chained. Nothing was allocated for the failed op, so the device st
 
 from __future__ import annotations
 
-import functools
 import re
-from typing import Any, Callable
 
 import torch
 
@@ -76,32 +74,7 @@ def out_of_memory_error(error: BaseException, device_index: int) -> torch.OutOfM
     )
 
 
-def _device_of(args: tuple, kwargs: dict) -> int:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.device.type == "tpu":
-            return value.device.index or 0
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor) and item.device.type == "tpu":
-                    return item.device.index or 0
-    return torch.tpu.current_device()
-
-
 def raise_if_out_of_memory(error: BaseException, device_index: int) -> None:
     """Raises the ``torch.OutOfMemoryError`` for ``error`` if it is XLA's out-of-memory error."""
     if is_out_of_memory(error):
         raise out_of_memory_error(error, device_index) from error
-
-
-def raising_torch_oom(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps a kernel: XLA's RESOURCE_EXHAUSTED becomes ``torch.OutOfMemoryError`` (zero cost otherwise)."""
-
-    @functools.wraps(fn)
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as error:
-            raise_if_out_of_memory(error, _device_of(args, kwargs))
-            raise
-
-    return kernel

@@ -108,6 +108,9 @@ def devices() -> tuple[Any, ...]:
                 f"HF_TPU_NUM_DEVICES={count} but the {found[0].platform} platform has only {len(found)} devices."
             )
         found = found[:count]
+    from .guard import watch_forks
+
+    watch_forks()
     return tuple(found)
 
 

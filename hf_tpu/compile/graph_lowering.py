@@ -25,6 +25,7 @@ from torch import fx
 
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage
 from ..backend.ops.memory import to_device
+from ..backend.guard import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
 from . import recompiles
@@ -271,6 +272,7 @@ class CompiledGraph:
         return outputs, tuple(env[n] for n in self._mutation_nodes), checks.combined(collected)
 
     def __call__(self, args: list) -> list:
+        check_not_forked()
         tensors = [args[i] for i in self._tensor_positions]
         static_values = tuple(args[i] for i in self._static_positions)
         args.clear()  # boxed convention: inputs (saved activations in backward) may die early
