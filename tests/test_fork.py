@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 PARENT_USES_THE_DEVICE_FROM_THREADS = """
 import os, threading, time, torch

@@ -11,6 +11,8 @@ import threading
 from collections import defaultdict
 
 _ALIGNMENT = 256
+# More than any chip or host holds: refused at once, so that a huge request cannot use up the address space.
+LARGEST_ALLOCATION = 1 << 50
 _lock = threading.Lock()
 _next_address = 1 << 44
 _current: defaultdict[int, int] = defaultdict(int)
@@ -22,6 +24,10 @@ _frees: defaultdict[int, int] = defaultdict(int)
 def new_address(nbytes: int, device_index: int, materialized: bool) -> int:
     """A fresh address range for a new storage; counts its bytes now if it already holds data."""
     global _next_address
+    if nbytes > LARGEST_ALLOCATION:
+        from .out_of_memory import too_large_error
+
+        raise too_large_error(nbytes, device_index)
     with _lock:
         address = _next_address
         _next_address += -(-max(nbytes, 1) // _ALIGNMENT) * _ALIGNMENT

@@ -18,7 +18,6 @@ XLA's clamping, for those who want every last microsecond).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Any, Iterator
 
@@ -26,21 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_MODES = {"1": "deferred", "on": "deferred", "deferred": "deferred", "immediate": "immediate",
-          "0": "off", "off": "off"}
+from . import runtime
 
 
-def _mode_from_environment() -> str:
-    value = os.environ.get("HF_TPU_CHECKS", "1").strip().lower() or "1"
-    if value not in _MODES:
-        raise ValueError(
-            f"HF_TPU_CHECKS={value!r} is not one of 1, immediate, 0: use 1 (checks raised at the next sync), "
-            "immediate (raised by the failing op) or 0 (no index or division checks)."
-        )
-    return _MODES[value]
-
-
-MODE = _mode_from_environment()  # part of every program's cache key: programs are traced per mode
+MODE = runtime.checks_mode()  # part of every program's cache key: programs are traced per mode
 
 
 def mode() -> str:

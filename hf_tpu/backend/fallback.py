@@ -10,7 +10,6 @@ Kept free of JAX so that registering the device during ``import torch`` stays ch
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from typing import Any
@@ -24,7 +23,9 @@ _warned: set[str] = set()
 
 
 def cpu_fallback_enabled() -> bool:
-    return os.environ.get("HF_TPU_CPU_FALLBACK", "0").lower() not in ("", "0", "false", "no", "off")
+    from .runtime import flag
+
+    return flag("HF_TPU_CPU_FALLBACK")
 
 
 def _in_progress() -> set[str]:

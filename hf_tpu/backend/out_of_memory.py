@@ -28,8 +28,8 @@ def _jax_runtime_error() -> type:
 
 
 def format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(count) < 1024 or unit == "EiB":
             return f"{count:.2f} {unit}" if unit != "B" else f"{int(count)} B"
         count /= 1024
     raise AssertionError("unreachable")
@@ -72,6 +72,12 @@ def out_of_memory_error(error: BaseException, device_index: int) -> torch.OutOfM
         "batch or sequence length, keep weights in bfloat16, or offload them (device_map='auto' with "
         f"max_memory). XLA said: {message.splitlines()[0]}"
     )
+
+
+def too_large_error(nbytes: int, device_index: int) -> torch.OutOfMemoryError:
+    """A request larger than any device holds (refused before asking XLA)."""
+    return out_of_memory_error(RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating {nbytes} bytes."),
+                               device_index)
 
 
 def raise_if_out_of_memory(error: BaseException, device_index: int) -> None:

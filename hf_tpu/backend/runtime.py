@@ -19,6 +19,49 @@ from typing import Any
 logger = logging.getLogger("hf_tpu")
 
 _PLATFORMS = ("auto", "tpu", "gpu", "cpu")
+_YES = ("1", "true", "yes", "on")
+_NO = ("", "0", "false", "no", "off")
+_CHECKS = {"1": "deferred", "on": "deferred", "deferred": "deferred", "immediate": "immediate", "0": "off",
+           "off": "off"}
+
+# Every variable hf_tpu reads; another HF_TPU_* name in the environment is most likely a typo.
+VARIABLES = ("HF_TPU_PLATFORM", "HF_TPU_NUM_DEVICES", "HF_TPU_CACHE_DIR", "HF_TPU_CPU_FALLBACK", "HF_TPU_CHECKS",
+             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE")
+
+
+def flag(name: str) -> bool:
+    """A yes/no variable: 1/true/yes/on or 0/false/no/off (unset: no); anything else is an error."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _YES:
+        return True
+    if value in _NO:
+        return False
+    raise ValueError(f"{name}={value!r} is not a yes/no value: set it to 1 (on) or 0 (off), or unset it.")
+
+
+def checks_mode() -> str:
+    """``HF_TPU_CHECKS``: ``deferred`` (1, the default), ``immediate`` or ``off`` (0)."""
+    value = os.environ.get("HF_TPU_CHECKS", "1").strip().lower() or "1"
+    if value not in _CHECKS:
+        raise ValueError(
+            f"HF_TPU_CHECKS={value!r} is not one of 1, immediate, 0: use 1 (checks raised at the next sync), "
+            "immediate (raised by the failing op) or 0 (no index or division checks)."
+        )
+    return _CHECKS[value]
+
+
+def check_environment() -> None:
+    """Reads every HF_TPU_* variable once, so that a bad value fails at the first device use, naming
+    the variable, rather than wherever it is first read; warns about names hf_tpu does not read."""
+    requested_platform()
+    requested_device_count()
+    checks_mode()
+    for name in ("HF_TPU_CPU_FALLBACK", "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE"):
+        flag(name)
+    unknown = sorted(name for name in os.environ if name.startswith("HF_TPU_") and name not in VARIABLES)
+    if unknown:
+        logger.warning("hf_tpu: ignoring %s: not a variable hf_tpu reads (those are %s).",
+                       ", ".join(unknown), ", ".join(VARIABLES))
 
 
 def requested_platform() -> str:
@@ -57,9 +100,25 @@ def _enable_compilation_cache(jax: Any) -> None:
     """Every program (eager operators and compiled graphs) goes to the on-disk cache, however quick
     its compilation: a second process then skips XLA compilation. The cache is not size-limited:
     JAX's limit scans the cache on every write, which doubled the test suite's time; delete the
-    directory to reclaim space. A cache directory the user set for JAX itself is kept."""
+    directory to reclaim space. A cache directory the user set for JAX itself is kept. A directory
+    that cannot be written is an error when ``HF_TPU_CACHE_DIR`` names it, and skipped with a warning
+    when it is the default."""
     directory = compilation_cache_dir()
     if directory is None or jax.config.jax_compilation_cache_dir:
+        return
+    try:
+        os.makedirs(directory, exist_ok=True)
+        writable = os.access(directory, os.W_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        if "HF_TPU_CACHE_DIR" in os.environ:
+            raise ValueError(
+                f"HF_TPU_CACHE_DIR={os.environ['HF_TPU_CACHE_DIR']!r}: cannot create or write {directory}; set it "
+                "to a writable directory, or to 'off' to keep compiled programs in memory only."
+            )
+        logger.warning("hf_tpu: cannot write the XLA program cache at %s; compiled programs stay in memory "
+                       "(set HF_TPU_CACHE_DIR to a writable directory).", directory)
         return
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -69,6 +128,7 @@ def _enable_compilation_cache(jax: Any) -> None:
 @functools.cache
 def jax_module() -> Any:
     """Imports and configures JAX for hf_tpu (64-bit types on, virtual CPU devices if asked)."""
+    check_environment()
     count = requested_device_count()
     if count is not None and requested_platform() in ("auto", "cpu"):
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(count))
@@ -100,7 +160,15 @@ def devices() -> tuple[Any, ...]:
                 found[0].platform, len(found), "" if len(found) == 1 else "s",
             )
     else:
-        found = jax.devices(platform)
+        try:
+            found = jax.devices(platform)
+        except RuntimeError as error:
+            available = sorted({d.platform for d in jax.devices()})
+            raise RuntimeError(
+                f"HF_TPU_PLATFORM={platform} but JAX has no {platform} platform here (it has: "
+                f"{', '.join(available)}). Install JAX for it (jax[tpu] on a TPU VM, jax[cuda12] for NVIDIA GPUs) "
+                "or set HF_TPU_PLATFORM=auto."
+            ) from error
     count = requested_device_count()
     if count is not None:
         if count > len(found):

@@ -49,12 +49,12 @@ class Buffer:
     __slots__ = ("array", "dtype", "numel", "device_index", "nbytes", "address", "__weakref__")
 
     def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int) -> None:
+        self.nbytes = numel * dtype.itemsize
+        self.address = allocator.new_address(self.nbytes, device_index, array is not None)  # first: it may refuse
         self.array = array
         self.dtype = dtype
         self.numel = numel
         self.device_index = device_index
-        self.nbytes = numel * dtype.itemsize
-        self.address = allocator.new_address(self.nbytes, device_index, array is not None)
         if array is not None:
             _latest[device_index] = array
 
@@ -71,6 +71,8 @@ class Buffer:
         _latest[self.device_index] = array
 
     def __del__(self) -> None:
+        if not hasattr(self, "array"):  # refused by the allocator: nothing was counted
+            return
         _by_address.pop(self.address, None)
         if self.array is not None:
             allocator.freed(self.device_index, self.nbytes)
@@ -121,6 +123,8 @@ def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torc
         stride, numel = None, math.prod(shape)
     else:
         numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    if numel * dtype.itemsize >= 1 << 63:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(shape)}")
     return _new_tensor(Buffer(None, dtype, numel, device_index), shape, stride)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Any, Callable
 
@@ -12,6 +11,7 @@ from torch._decomp import decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
+from ..backend import runtime
 from . import graph_lowering, recompiles
 from .stats import count
 
@@ -36,7 +36,7 @@ def _lower(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable
     try:
         return graph_lowering.lower(graph_module)
     except NotImplementedError as error:
-        if os.environ.get("HF_TPU_STRICT_COMPILE", "") == "1":
+        if runtime.flag("HF_TPU_STRICT_COMPILE"):
             raise
         if str(error) not in _warned:
             _warned.add(str(error))

@@ -9,8 +9,9 @@ sizes), logged here with the inputs that changed. Also counts programs loaded fr
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
+
+from ..backend import runtime
 
 logger = logging.getLogger("hf_tpu.recompiles")
 
@@ -19,7 +20,7 @@ _listening = False
 
 
 def enabled() -> bool:
-    return os.environ.get("HF_TPU_LOG_RECOMPILES", "").strip().lower() in ("1", "true", "yes", "on")
+    return runtime.flag("HF_TPU_LOG_RECOMPILES")
 
 
 def enable_dynamo_log() -> None:
