@@ -249,3 +249,27 @@ def test_releases_without_a_tpu_compile_default_get_the_tpu_backend():
     assert OlderModel("cpu").get_compiled_call(None) is None
     user_config = transformers.CompileConfig(backend="eager")
     assert OlderModel("tpu").get_compiled_call(user_config) is user_config
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_checkpoint_with_a_wrong_parameter_behaves_as_on_cpu(change, tmp_path):
+    """A wrong shape fails with transformers' mismatch error; a wrong dtype is cast, as on the CPU."""
+    tiny_llama(tie_word_embeddings=False).save_pretrained(tmp_path)
+    path = str(tmp_path / "model.safetensors")
+    tensors = safetensors.torch.load_file(path)
+    key = "model.layers.0.mlp.up_proj.weight"
+    tensors[key] = torch.zeros(3, 5) if change == "shape" else tensors[key].to(torch.int32)
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    outcomes = {}
+    for device in ("cpu", "tpu"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device)
+            outcomes[device] = dict(model.named_parameters())[key].detach().cpu()
+        except RuntimeError as error:
+            outcomes[device] = str(error)
+    if change == "shape":
+        assert "ignore_mismatched_sizes" in outcomes["cpu"]
+        assert outcomes["tpu"] == outcomes["cpu"]
+    else:
+        assert outcomes["tpu"].dtype == outcomes["cpu"].dtype == torch.float32
+        assert torch.equal(outcomes["tpu"], outcomes["cpu"])

@@ -17,6 +17,7 @@ Lowerings are plain JAX functions so that graph mode can lower whole FX graphs w
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -258,9 +259,9 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     overlap_ok = entry.writes_overlapping
     keeps_layout = torch.Tag.pointwise in op.tags and not destinations and len(returns) == 1
     first_tensor = tensor_slots[0][1] if tensor_slots and tensor_slots[0][2] == _TENSOR else None
-    jitted: dict[tuple, Callable] = {}
     n_inputs = len(inputs)
 
+    @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
@@ -284,8 +285,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 result = lowering_fn(*call)
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
-        fn = jitted[key] = jax.jit(traced, keep_unused=True)  # unused inputs still pin the chip
-        return fn
+        return jax.jit(traced, keep_unused=True)  # unused inputs still pin the chip
 
     def run(*args, **kwargs):
         bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
@@ -325,7 +325,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             order,
             checks.MODE,
         )
-        fn = jitted.get(key) or compile_for(key)
+        fn = compile_for(key)
         try:
             result, check = fn(*dynamic)
         except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
@@ -360,7 +360,17 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         return _wrap(result, device_index)
 
     run.__name__ = f"tpu_{op.__name__}"
+    _PROGRAM_CACHES.append(compile_for)
     return run
+
+
+_PROGRAM_CACHES: list[Any] = []
+
+
+def eager_program_count() -> int:
+    """How many jitted programs the eager kernels hold (each kernel keeps at most
+    ``storage.PROGRAMS_PER_CACHE``, least recently used evicted first)."""
+    return sum(cache.cache_info().currsize for cache in _PROGRAM_CACHES)
 
 
 def _memory_order(bound: list, first: int, tensor_slots: list) -> tuple[int, ...] | None:

@@ -82,7 +82,12 @@ def _zeros(numel: int, dtype: Any, device_index: int) -> Any:
     return _zeros_program(numel, dtype, device_index)()
 
 
-@functools.cache
+# Per-geometry programs are bounded (least recently used evicted): a long run with ever new shapes
+# must not grow memory without end.
+PROGRAMS_PER_CACHE = 1024
+
+
+@functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _zeros_program(numel: int, dtype: Any, device_index: int) -> Any:
     """A jitted maker of zeros on the chip: ``jnp.zeros(..., device=)`` costs ~1 ms of Python per call."""
     sharding = jax.sharding.SingleDeviceSharding(runtime.device(device_index))
@@ -205,7 +210,7 @@ def write(tensor: torch.Tensor, value: Any) -> None:
     buffer.set(_view_writer(view_geometry(tensor, buffer))(buffer.materialize(), value))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _cast_to(shape: tuple, dtype: Any):
     return jax.jit(lambda value: jnp.broadcast_to(value.astype(dtype), shape))
 
@@ -245,12 +250,12 @@ def _reinterpret(flat: Any, dtype: Any) -> Any:
     return bits
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _view_reader(geometry: tuple):
     return jax.jit(lambda array: view_of(array, geometry))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _view_writer(geometry: tuple):
     storage_dtype, dtype, size, stride, offset, conjugated, negated = geometry
     target, storage_target = dtypes.to_jax(dtype), dtypes.to_jax(storage_dtype)

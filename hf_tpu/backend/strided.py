@@ -25,7 +25,7 @@ class _SlicePlan(NamedTuple):
     active_dims: tuple[int, ...]  # dims of the view with size > 1 and stride != 0, in dim order
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)
 def _plan(size: tuple[int, ...], stride: tuple[int, ...]) -> _SlicePlan | None:
     active = tuple(d for d in range(len(size)) if size[d] > 1 and stride[d] != 0)
     order = sorted(active, key=lambda d: -stride[d])

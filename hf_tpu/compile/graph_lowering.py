@@ -10,6 +10,7 @@ into a graph input) come out of the program as extra results and are written to 
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import itertools
@@ -227,7 +228,7 @@ class CompiledGraph:
         for node in self._tensor_outputs:
             _check_on_device(node)
         self._layouts = [_dense_layout(node.meta["val"]) for node in self._tensor_outputs]
-        self._executables: dict[tuple, Callable] = {}
+        self._executables: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
         self._signature: tuple | None = None
         self.name = f"graph {next(_graph_numbers)}"
         self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
@@ -244,9 +245,9 @@ class CompiledGraph:
         lowered = jax.jit(self._trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
         device = arrays[0].devices() if arrays else None
         fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), str(device))
-        executable = _EXECUTABLES.get(fingerprint)
+        executable = _lookup(_EXECUTABLES, fingerprint)
         if executable is None:
-            executable = _EXECUTABLES[fingerprint] = lowered.compile()
+            executable = _store(_EXECUTABLES, fingerprint, lowered.compile(), _SHARED_EXECUTABLES)
             count("compilations")
             count("disk_cache_hits", recompiles.disk_cache_hits() - loads)
         else:
@@ -281,9 +282,10 @@ class CompiledGraph:
         donated = self._donatable(tensors, arrays)
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
         key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE)
-        executable = self._executables.get(key)
+        executable = _lookup(self._executables, key)
         if executable is None:
-            executable = self._executables[key] = self._executable(donated, static_values, rng, arrays)
+            executable = _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
+                                _EXECUTABLES_PER_GRAPH)
         else:
             count("cache_hits")
         try:
@@ -320,7 +322,24 @@ class CompiledGraph:
 # loop variable and getrefcount's argument. More means someone else (another storage) holds it.
 _OWNED_REFERENCES = 4
 _graph_numbers = itertools.count(1)
-_EXECUTABLES: dict[tuple[str, str], Callable] = {}  # program fingerprint and devices -> executable
+# program fingerprint and devices -> executable; both caches keep the most recently used only
+_EXECUTABLES: collections.OrderedDict[tuple[str, str], Callable] = collections.OrderedDict()
+_SHARED_EXECUTABLES = 256
+_EXECUTABLES_PER_GRAPH = 64
+
+
+def _lookup(cache: collections.OrderedDict, key: Any) -> Any:
+    value = cache.get(key)
+    if value is not None:
+        cache.move_to_end(key)
+    return value
+
+
+def _store(cache: collections.OrderedDict, key: Any, value: Any, bound: int) -> Any:
+    cache[key] = value
+    if len(cache) > bound:
+        cache.popitem(last=False)
+    return value
 
 
 def _rng_parts(count: int, device_index: int) -> Any:
