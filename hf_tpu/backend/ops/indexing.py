@@ -28,6 +28,9 @@ def _device_index(tensor: torch.Tensor) -> int:
 @lowering("cat", "cat.out")
 def cat(tensors, dim=0):
     """Concatenates with type promotion; legacy empty 1-D tensors (shape ``(0,)``) are skipped."""
+    for position, tensor in enumerate(tensors):
+        if tensor.ndim == 0:
+            raise RuntimeError(f"zero-dimensional tensor (at position {position}) cannot be concatenated")
     dtype = result_type(*tensors)
     kept = [t.astype(dtype) for t in tensors if t.shape != (0,)]
     if not kept:

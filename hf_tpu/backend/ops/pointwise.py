@@ -52,13 +52,26 @@ def add(self, other, alpha=1):
     return _math(lambda a, b: a + _scaled(b, alpha), result_type(self, other), self, other)
 
 
+def _check_no_bool_subtraction(self, other) -> None:
+    """The CPU refuses ``-`` on bool tensors (and says what was probably meant)."""
+    bools = sum(isinstance(v, bool) or getattr(v, "dtype", None) == jnp.bool_ for v in (self, other))
+    if bools == 2:
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. "
+                           "Use the `^` or `logical_xor()` operator instead.")
+    if bools:
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. "
+                           "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+
+
 @lowering("sub.Tensor", "sub_.Tensor", "sub.out", "sub.Scalar", "sub_.Scalar", "sub.Scalar_out")
 def sub(self, other, alpha=1):
+    _check_no_bool_subtraction(self, other)
     return _math(lambda a, b: a - _scaled(b, alpha), result_type(self, other), self, other)
 
 
 @lowering("rsub.Tensor", "rsub.Tensor_out", "rsub.Scalar", "rsub.Scalar_out")
 def rsub(self, other, alpha=1):
+    _check_no_bool_subtraction(self, other)
     return _math(lambda a, b: b - _scaled(a, alpha), result_type(self, other), self, other)
 
 
@@ -149,7 +162,10 @@ def abs_(self):
 
 @lowering("neg", "neg_", "neg.out")
 def neg(self):
-    return lax.neg(self) if self.dtype != jnp.bool_ else ~self
+    if self.dtype == jnp.bool_:
+        raise RuntimeError("Negation, the `-` operator, on a bool tensor is not supported. If you are trying to "
+                           "invert a mask, use the `~` or `logical_not()` operator instead.")
+    return lax.neg(self)
 
 
 @lowering("reciprocal", "reciprocal_", "reciprocal.out")

@@ -152,14 +152,27 @@ def hash_tensor(self, dim=(), keepdim=False, mode=0):
     return jnp.expand_dims(hashed, dims) if keepdim else hashed
 
 
+def _extreme_dims(self, dim, name):
+    """amax/amin's dims: each must be non-empty (the CPU names it as given); all of an empty tensor
+    needs a dim."""
+    dims = _dims(self, dim)
+    if self.size == 0 and self.ndim:
+        if not dim:
+            _check_nonempty(self, name)
+        for given, d in zip((dim,) if isinstance(dim, int) else dim, dims):
+            if self.shape[d] == 0:
+                raise IndexError(f"{name}(): Expected reduction dim {given} to have non-zero size.")
+    return dims
+
+
 @lowering("amax", "amax.out")
 def amax(self, dim=(), keepdim=False):
-    return jnp.max(self, axis=_dims(self, dim), keepdims=keepdim)
+    return jnp.max(self, axis=_extreme_dims(self, dim, "amax"), keepdims=keepdim)
 
 
 @lowering("amin", "amin.out")
 def amin(self, dim=(), keepdim=False):
-    return jnp.min(self, axis=_dims(self, dim), keepdims=keepdim)
+    return jnp.min(self, axis=_extreme_dims(self, dim, "amin"), keepdims=keepdim)
 
 
 def _check_nonempty(self, name):
@@ -182,6 +195,14 @@ def min_all(self):
     return jnp.min(self)
 
 
+def _nonempty_dim(self, dim, name):
+    """The normalised reduction dim of max/min/argmax/argmin/aminmax, which must not be empty."""
+    d = _dim(self, dim)
+    if d is not None and self.shape[d] == 0:
+        raise IndexError(f"{name}: Expected reduction dim {d} to have non-zero size.")
+    return d
+
+
 def _arg(fn, self, dim, keepdim):
     """Index of the first extreme value (NaN counting as the extreme) along ``dim``, as int64."""
     if dim is None:
@@ -192,13 +213,13 @@ def _arg(fn, self, dim, keepdim):
 
 @lowering("max.dim", "max.dim_max")
 def max_dim(self, dim, keepdim=False):
-    d = _dim(self, dim)
+    d = _nonempty_dim(self, dim, "max()")
     return (self if d is None else jnp.max(self, axis=d, keepdims=keepdim)), _arg(jnp.argmax, self, d, keepdim)
 
 
 @lowering("min.dim", "min.dim_min")
 def min_dim(self, dim, keepdim=False):
-    d = _dim(self, dim)
+    d = _nonempty_dim(self, dim, "min()")
     return (self if d is None else jnp.min(self, axis=d, keepdims=keepdim)), _arg(jnp.argmin, self, d, keepdim)
 
 
@@ -206,8 +227,9 @@ def _arg_all(fn, self, dim, keepdim):
     if self.dtype == jnp.bool_:
         raise RuntimeError(f"{fn.__name__}(): does not support bool input")
     if dim is not None:
-        return _arg(fn, self, _dim(self, dim), keepdim)
-    _check_nonempty(self, fn.__name__)
+        return _arg(fn, self, _nonempty_dim(self, dim, f"{fn.__name__}()"), keepdim)
+    if self.size == 0:  # the CPU's argmax/argmin word this differently from max/min, as an IndexError
+        raise IndexError(f"{fn.__name__}(): Expected reduction dim to be specified for input.numel() == 0.")
     index = _arg(fn, self.reshape(-1), 0, False)
     return index.reshape((1,) * self.ndim) if keepdim else index
 
@@ -228,7 +250,7 @@ def aminmax(self, dim=None, keepdim=False):
         _check_nonempty(self, "aminmax")
         shape = (1,) * self.ndim if keepdim else ()
         return jnp.min(self).reshape(shape), jnp.max(self).reshape(shape)
-    d = _dim(self, dim)
+    d = _nonempty_dim(self, dim, "aminmax")
     if d is None:
         return self, self
     return jnp.min(self, axis=d, keepdims=keepdim), jnp.max(self, axis=d, keepdims=keepdim)
