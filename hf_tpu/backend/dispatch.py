@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 import torch
 
-from . import checks, device_module, dtypes, runtime, storage
+from . import checks, device_module, dtypes, runtime, storage, tpu_lowering
 from .guard import guarded
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
@@ -134,16 +134,19 @@ class _Inputs:
     op's own jitted program, so a transposed weight costs no extra dispatch.
     """
 
-    __slots__ = ("device_index", "views")
+    __slots__ = ("device_index", "views", "numbers")
 
     def __init__(self) -> None:
         self.device_index = None
         self.views: list[tuple[tuple[int, int], tuple]] = []
+        self.numbers: list[int] = []  # slots holding a Python float or complex (the 2.5 of `x * 2.5`)
 
     def read(self, tensor: torch.Tensor, position: tuple[int, int]) -> Any:
         try:
             buffer = storage.buffer_of(tensor)
         except AttributeError:
+            if isinstance(tensor, (float, complex)) and position[1] < 0:
+                self.numbers.append(position[0])
             return self._foreign(tensor)
         if self.device_index is None:
             self.device_index = buffer.device_index
@@ -223,14 +226,14 @@ def _store(destination: torch.Tensor, value: Any, is_out: bool, overlap_ok: bool
 _scalar_arrays: dict[tuple, Any] = {}
 
 
-def _scalar_array(value: Any) -> Any:
+def _scalar_array(value: Any, wide: bool) -> Any:
     """A cached, weakly-typed device scalar: jit calls with arrays skip a host transfer per call."""
-    key = (type(value), value)
+    key = (type(value), value, wide)
     array = _scalar_arrays.get(key)
     if array is None:
         if len(_scalar_arrays) > 4096:
             _scalar_arrays.clear()
-        array = _scalar_arrays[key] = jax.numpy.asarray(value)
+        array = _scalar_arrays[key] = dtypes.scalar_operand(value, wide)
     return array
 
 
@@ -285,7 +288,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 result = lowering_fn(*call)
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
-        return jax.jit(traced, keep_unused=True)  # unused inputs still pin the chip
+        # keep_unused: unused inputs still pin the chip
+        return tpu_lowering.checked(op.name(), jax.jit(traced, keep_unused=True))
 
     def run(*args, **kwargs):
         bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
@@ -301,6 +305,11 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 dynamic.append(None)
             else:
                 dynamic.append(reader.read(value, (len(dynamic), -1)))
+        wide = None
+        if reader.numbers:  # passed as weakly-typed scalars of the op's width (see dtypes.scalar_operand)
+            wide = dtypes.needs_wide_scalars(dynamic)
+            for slot in reader.numbers:
+                dynamic[slot] = _scalar_array(dynamic[slot], wide)
         defaulted = [] if scalar_slots else ()
         for _, index, default in scalar_slots:
             value = bound[index]
@@ -309,10 +318,13 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             if not is_default:
                 if isinstance(value, torch.Tensor):
                     value = reader.read(value, (len(dynamic), -1))
-                elif isinstance(value, (list, tuple)):
-                    value = tuple(_scalar_array(v) for v in value)
                 elif value is not None:
-                    value = _scalar_array(value)
+                    if wide is None:
+                        wide = dtypes.needs_wide_scalars(dynamic)
+                    if isinstance(value, (list, tuple)):
+                        value = tuple(_scalar_array(v, wide) for v in value)
+                    else:
+                        value = _scalar_array(value, wide)
                 dynamic.append(value)
         static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
         order = _memory_order(bound, first_tensor, tensor_slots) if keeps_layout and first_tensor is not None else None

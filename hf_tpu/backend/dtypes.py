@@ -111,6 +111,35 @@ def _python_scalar_dtype(value: Any) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+_WIDE = ("float64", "complex128")
+
+
+def needs_wide_scalars(operands: Any) -> bool:
+    """Whether Python float/complex scalars of an op must be passed in 64 bits: when the op computes
+    in 64 bits (a float64/complex128 operand, or float64 as torch's default dtype)."""
+    if torch.get_default_dtype() == torch.float64:
+        return True
+    for operand in operands:
+        items = operand if isinstance(operand, tuple) else (operand,)
+        if any(getattr(item, "dtype", None) in _WIDE for item in items):
+            return True
+    return False
+
+
+def scalar_operand(value: Any, wide: bool) -> Any:
+    """A Python number as the weakly-typed JAX scalar a lowering receives. A float (complex) is passed
+    in 32 (64) bits unless ``wide``: PyTorch casts a Python scalar to the op's computation dtype, so
+    nothing is lost, and a program meant for TPU chips (which have no float64) carries no 64-bit value."""
+    import jax.numpy as jnp
+    from jax._src.lax import lax as lax_internal  # weakly-typed conversion: no public API makes one
+
+    if not wide and isinstance(value, float):
+        return lax_internal._convert_element_type(value, np.dtype("float32"), weak_type=True)
+    if not wide and isinstance(value, complex):
+        return lax_internal._convert_element_type(value, np.dtype("complex64"), weak_type=True)
+    return jnp.asarray(value)
+
+
 def result_type(*operands: Any) -> Any:
     """torch.result_type over JAX arrays/tracers and Python scalars, as a JAX dtype.
 

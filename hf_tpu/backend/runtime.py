@@ -26,7 +26,7 @@ _CHECKS = {"1": "deferred", "on": "deferred", "deferred": "deferred", "immediate
 
 # Every variable hf_tpu reads; another HF_TPU_* name in the environment is most likely a typo.
 VARIABLES = ("HF_TPU_PLATFORM", "HF_TPU_NUM_DEVICES", "HF_TPU_CACHE_DIR", "HF_TPU_CPU_FALLBACK", "HF_TPU_CHECKS",
-             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE")
+             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING")
 
 
 def flag(name: str) -> bool:
@@ -58,6 +58,8 @@ def check_environment() -> None:
     checks_mode()
     for name in ("HF_TPU_CPU_FALLBACK", "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE"):
         flag(name)
+    if not os.environ.get("HF_TPU_CHECK_TPU_LOWERING", "").strip().lower().startswith("record:"):
+        flag("HF_TPU_CHECK_TPU_LOWERING")
     unknown = sorted(name for name in os.environ if name.startswith("HF_TPU_") and name not in VARIABLES)
     if unknown:
         logger.warning("hf_tpu: ignoring %s: not a variable hf_tpu reads (those are %s).",

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import allocator, dlpack_alloc, dtypes, runtime, strided
+from . import allocator, dlpack_alloc, dtypes, runtime, strided, tpu_lowering
 
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
@@ -91,7 +91,8 @@ PROGRAMS_PER_CACHE = 1024
 def _zeros_program(numel: int, dtype: Any, device_index: int) -> Any:
     """A jitted maker of zeros on the chip: ``jnp.zeros(..., device=)`` costs ~1 ms of Python per call."""
     sharding = jax.sharding.SingleDeviceSharding(runtime.device(device_index))
-    return jax.jit(functools.partial(jnp.zeros, (numel,), dtype), out_shardings=sharding)
+    return tpu_lowering.checked("zeros", jax.jit(functools.partial(jnp.zeros, (numel,), dtype),
+                                                 out_shardings=sharding))
 
 
 def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
@@ -212,7 +213,7 @@ def write(tensor: torch.Tensor, value: Any) -> None:
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _cast_to(shape: tuple, dtype: Any):
-    return jax.jit(lambda value: jnp.broadcast_to(value.astype(dtype), shape))
+    return tpu_lowering.checked("cast", jax.jit(lambda value: jnp.broadcast_to(value.astype(dtype), shape)))
 
 
 def _as_bits(flat: Any) -> Any:
@@ -252,7 +253,7 @@ def _reinterpret(flat: Any, dtype: Any) -> Any:
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _view_reader(geometry: tuple):
-    return jax.jit(lambda array: view_of(array, geometry))
+    return tpu_lowering.checked("view read", jax.jit(lambda array: view_of(array, geometry)))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
@@ -266,4 +267,4 @@ def _view_writer(geometry: tuple):
         flat = strided.write(flat, value, size, stride, offset)
         return _reinterpret(flat, storage_target).reshape(array.shape)
 
-    return jax.jit(write_view)
+    return tpu_lowering.checked("view write", jax.jit(write_view))

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from ..backend import checks, dispatch, dtypes, random_state, runtime, storage
+from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
 from ..backend.ops.memory import to_device
 from ..backend.guard import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
@@ -99,9 +99,12 @@ class _Step:
 
     def run(self, env: dict) -> Any:
         call = [_materialize(value, env) for value in self.arguments]
-        for slot in self.scalar_slots:
-            value = call[slot]
-            call[slot] = tuple(map(jnp.asarray, value)) if isinstance(value, tuple) else jnp.asarray(value)
+        if self.scalar_slots:
+            wide = dtypes.needs_wide_scalars(call)
+            for slot in self.scalar_slots:
+                value = call[slot]
+                call[slot] = (tuple(dtypes.scalar_operand(v, wide) for v in value) if isinstance(value, tuple)
+                              else dtypes.scalar_operand(value, wide))
         try:
             return self.fn(*call)
         except (TypeError, ValueError) as error:
@@ -242,6 +245,9 @@ class CompiledGraph:
         """
         start, loads = time.perf_counter(), recompiles.disk_cache_hits()
         donate = tuple(2 + position for position in donated)
+        if tpu_lowering.MODE != "off":
+            tpu_lowering.check(f"compiled {self.name}", jax.jit(self._trace, static_argnums=0),
+                               (static_values, rng, *arrays))
         lowered = jax.jit(self._trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
         device = arrays[0].devices() if arrays else None
         fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), str(device))

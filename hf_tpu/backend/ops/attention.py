@@ -64,7 +64,7 @@ def _attend(query, key, value, bias, is_causal, scale):
         causal = jnp.tril(jnp.ones((length, source), jnp.bool_))
         allowed = causal if allowed is None else allowed & causal
     if allowed is not None:
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        logits = jnp.where(allowed, logits, jnp.asarray(-jnp.inf, logits.dtype))  # no float64 constant
     peak = jnp.max(logits, axis=-1, keepdims=True)
     safe_peak = jnp.where(jnp.isneginf(peak), jnp.zeros((), accumulator), lax.stop_gradient(peak))
     weights = jnp.exp(logits - safe_peak)
