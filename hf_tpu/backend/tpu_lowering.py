@@ -17,6 +17,7 @@ import json
 import os
 import re
 import threading
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -68,19 +69,32 @@ def check(name: str, fn: Callable[..., Any], args: tuple) -> None:
     if reason is None:
         return
     if MODE == "record":
+        entry = {"program": name, "reason": reason, "origin": _origin()}
         with _lock, open(RECORD_PATH, "a") as record:
-            record.write(json.dumps({"program": name, "reason": reason}) + "\n")
+            record.write(json.dumps(entry) + "\n")
         return
     raise TPULoweringError(f"{name}: this program does not lower for TPU chips: {reason}")
 
 
+def _origin() -> str:
+    """The innermost caller outside torch, JAX and hf_tpu: the library or test line that ran the program."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace(os.sep, "/")
+        if not any(part in path for part in ("/hf_tpu/", "/torch/", "/jax/", "/jaxlib/", "<frozen")):
+            library = path.split("site-packages/")[-1]
+            return f"{library.split('/tests/')[-1]}:{frame.lineno}"
+    return "?"
+
+
 def checked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a jitted function), checked for TPU on each new input signature when the switch is on."""
+    """``fn`` (a jitted function), checked for TPU on each new input signature when the switch is on
+    (after it ran: an input the op itself rejects raises its own error first)."""
     if MODE == "off":
         return fn
 
     def run(*args: Any) -> Any:
+        result = fn(*args)
         check(name, fn, args)
-        return fn(*args)
+        return result
 
     return run

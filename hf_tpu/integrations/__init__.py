@@ -21,6 +21,7 @@ INTEGRATIONS: dict[str, str] = {
     "transformers.generation.utils": "generation",
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
+    "diffusers.utils.torch_utils": "diffusers",
 }
 
 
