@@ -84,3 +84,17 @@ def test_importing_accelerate_first_registers_the_device():
     assert done.returncode == 0, done.stderr
     assert "not registered" not in done.stderr
     assert done.stdout.strip() == "tpu"
+
+
+def test_sizes_overflowing_int64_raise_cpus_error():
+    message = r"Storage size calculation overflowed with sizes=\[9223372036854775807\]"
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match=message):
+            torch.zeros(2**63 - 1, device=device)
+
+
+def test_requests_larger_than_any_device_are_refused_without_using_up_the_address_space():
+    for _ in range(100):  # each would take 2^62 bytes of the fake address space if it were granted
+        with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4\.00 EiB"):
+            torch.empty(2**62, device="tpu", dtype=torch.uint8)
+    assert (torch.ones(2, 2, device="tpu") + 1).sum().item() == 8.0

@@ -28,32 +28,22 @@ def histc(self, bins=100, min=0, max=0):
     if self.size == 0:
         return jnp.zeros((bins,), self.dtype)
     x = self.reshape(-1)
-    if not jnp.issubdtype(x.dtype, jnp.inexact) and float(min).is_integer() and float(max).is_integer():
-        return _integer_histc(x, bins, int(min), int(max), self.dtype)
-    x = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float64)
+    exact = not jnp.issubdtype(x.dtype, jnp.inexact) and float(min).is_integer() and float(max).is_integer()
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.int64 if exact else jnp.float64)
     if min == max:
         lo, hi = jnp.min(x), jnp.max(x)
         same = lo == hi
         lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
     else:
         lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
-    position = jnp.minimum(jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int64), bins - 1)
-    slots = jnp.where((x >= lo) & (x <= hi), position, bins)
-    return jnp.zeros((bins,), self.dtype).at[slots].add(jnp.ones((), self.dtype), mode="drop")
-
-
-def _integer_histc(x, bins, low, high, dtype):
-    x = x.astype(jnp.int64)
-    if low == high:
-        lo, hi = jnp.min(x), jnp.max(x)
-        same = lo == hi
-        lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
-    else:
-        lo, hi = jnp.asarray(low, jnp.int64), jnp.asarray(high, jnp.int64)
     inside = (x >= lo) & (x <= hi)
-    position = jnp.minimum((jnp.where(inside, x - lo, 0) * bins) // (hi - lo), bins - 1)
-    slots = jnp.where(inside, position, bins)
-    return jnp.zeros((bins,), dtype).at[slots].add(jnp.ones((), dtype), mode="drop")
+    if exact:
+        position = (jnp.where(inside, x - lo, 0) * bins) // (hi - lo)
+    else:
+        position = jnp.floor((x - lo) * bins / (hi - lo)).astype(jnp.int64)
+    slots = jnp.where(inside, jnp.minimum(position, bins - 1), bins)
+    return jnp.zeros((bins,), self.dtype).at[slots].add(jnp.ones((), self.dtype), mode="drop")
 
 
 def _points(self):
