@@ -27,7 +27,8 @@ import jax
 import torch
 
 from . import checks, device_module, dtypes, runtime, storage, tpu_lowering
-from .guard import guarded
+from . import guard
+from .out_of_memory import raise_if_out_of_memory
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
 _REQUIRED = object()
@@ -292,84 +293,92 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         return tpu_lowering.checked(op.name(), jax.jit(traced, keep_unused=True))
 
     def run(*args, **kwargs):
-        bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
-        for name, value in kwargs.items():
-            bound[position[name]] = value
+        if guard.forked:
+            raise RuntimeError(guard.FORK_MESSAGE)
         reader = _Inputs()
-        dynamic = []
-        for _, index, kind in tensor_slots:
-            value = bound[index]
-            if kind == _TENSOR_LIST:
-                dynamic.append(reader.read_list(value, len(dynamic)))
-            elif value is None:
-                dynamic.append(None)
-            else:
-                dynamic.append(reader.read(value, (len(dynamic), -1)))
-        wide = None
-        if reader.numbers:  # passed as weakly-typed scalars of the op's width (see dtypes.scalar_operand)
-            wide = dtypes.needs_wide_scalars(dynamic)
-            for slot in reader.numbers:
-                dynamic[slot] = _scalar_array(dynamic[slot], wide)
-        defaulted = [] if scalar_slots else ()
-        for _, index, default in scalar_slots:
-            value = bound[index]
-            is_default = value is default or (type(value) is type(default) and value == default)
-            defaulted.append(is_default)
-            if not is_default:
-                if isinstance(value, torch.Tensor):
-                    value = reader.read(value, (len(dynamic), -1))
-                elif value is not None:
-                    if wide is None:
-                        wide = dtypes.needs_wide_scalars(dynamic)
-                    if isinstance(value, (list, tuple)):
-                        value = tuple(_scalar_array(v, wide) for v in value)
-                    else:
-                        value = _scalar_array(value, wide)
-                dynamic.append(value)
-        static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
-        order = _memory_order(bound, first_tensor, tensor_slots) if keeps_layout and first_tensor is not None else None
-        key = (
-            static_values,
-            tuple(map(type, static_values)),  # 4 == 4.0 == True, but arange(4) and arange(4.0) differ
-            tuple(defaulted),
-            tuple(reader.views) if reader.views else (),
-            torch.get_default_dtype(),  # type promotion of Python floats depends on it
-            order,
-            checks.MODE,
-        )
-        fn = compile_for(key)
         try:
-            result, check = fn(*dynamic)
-        except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
-            raise RuntimeError(f"{op.name()}: {error}") from error
-        if check is not None:
-            checks.defer(check, reader.device_index or 0)
+            bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
+            for name, value in kwargs.items():
+                bound[position[name]] = value
+            dynamic = []
+            for _, index, kind in tensor_slots:
+                value = bound[index]
+                if kind == _TENSOR_LIST:
+                    dynamic.append(reader.read_list(value, len(dynamic)))
+                elif value is None:
+                    dynamic.append(None)
+                else:
+                    dynamic.append(reader.read(value, (len(dynamic), -1)))
+            wide = None
+            if reader.numbers:  # passed as weakly-typed scalars of the op's width (see dtypes.scalar_operand)
+                wide = dtypes.needs_wide_scalars(dynamic)
+                for slot in reader.numbers:
+                    dynamic[slot] = _scalar_array(dynamic[slot], wide)
+            defaulted = [] if scalar_slots else ()
+            for _, index, default in scalar_slots:
+                value = bound[index]
+                is_default = value is default or (type(value) is type(default) and value == default)
+                defaulted.append(is_default)
+                if not is_default:
+                    if isinstance(value, torch.Tensor):
+                        value = reader.read(value, (len(dynamic), -1))
+                    elif value is not None:
+                        if wide is None:
+                            wide = dtypes.needs_wide_scalars(dynamic)
+                        if isinstance(value, (list, tuple)):
+                            value = tuple(_scalar_array(v, wide) for v in value)
+                        else:
+                            value = _scalar_array(value, wide)
+                    dynamic.append(value)
+            static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
+            order = None
+            if keeps_layout and first_tensor is not None:
+                order = _memory_order(bound, first_tensor, tensor_slots)
+            key = (
+                static_values,
+                tuple(map(type, static_values)),  # 4 == 4.0 == True, but arange(4) and arange(4.0) differ
+                tuple(defaulted),
+                tuple(reader.views) if reader.views else (),
+                torch.get_default_dtype(),  # type promotion of Python floats depends on it
+                order,
+                checks.MODE,
+            )
+            fn = compile_for(key)
+            try:
+                result, check = fn(*dynamic)
+            except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
+                raise RuntimeError(f"{op.name()}: {error}") from error
+            if check is not None:
+                checks.defer(check, reader.device_index or 0)
 
-        if destinations:
-            outs = [bound[i] for i in destinations]
-            if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # foreach in-place: list of tensors
-                for tensor, value in zip(outs[0], result):
-                    _store(tensor, value, False, overlap_ok)
-            else:
-                values = result if isinstance(result, (tuple, list)) and len(outs) > 1 else (result,)
-                for i, tensor, value in zip(destinations, outs, values):
-                    _store(tensor, value, is_out[i], overlap_ok)
-            if not returns:
-                return None
-            if returns_written:
-                return outs[0] if len(outs) == 1 else tuple(outs)
+            if destinations:
+                outs = [bound[i] for i in destinations]
+                if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # foreach in-place: list of tensors
+                    for tensor, value in zip(outs[0], result):
+                        _store(tensor, value, False, overlap_ok)
+                else:
+                    values = result if isinstance(result, (tuple, list)) and len(outs) > 1 else (result,)
+                    for i, tensor, value in zip(destinations, outs, values):
+                        _store(tensor, value, is_out[i], overlap_ok)
+                if not returns:
+                    return None
+                if returns_written:
+                    return outs[0] if len(outs) == 1 else tuple(outs)
 
-        device_index = reader.device_index
-        if device_index is None:  # a factory: the result goes to the chip its `device` names
-            device_index = device_module._index(bound[device_arg] if device_arg is not None else None)
-            if device_index:
-                result = jax.device_put(result, runtime.device(device_index))
-        if isinstance(result, (tuple, list)):
-            wrapped = [_wrap(r, device_index) for r in result]
-            return wrapped if returns_list else tuple(wrapped)
-        if order is not None:
-            return _wrap_in_order(result, order, device_index)
-        return _wrap(result, device_index)
+            device_index = reader.device_index
+            if device_index is None:  # a factory: the result goes to the chip its `device` names
+                device_index = device_module._index(bound[device_arg] if device_arg is not None else None)
+                if device_index:
+                    result = jax.device_put(result, runtime.device(device_index))
+            if isinstance(result, (tuple, list)):
+                wrapped = [_wrap(r, device_index) for r in result]
+                return wrapped if returns_list else tuple(wrapped)
+            if order is not None:
+                return _wrap_in_order(result, order, device_index)
+            return _wrap(result, device_index)
+        except Exception as error:  # what guard.guarded does for hand-written kernels, without a call more
+            raise_if_out_of_memory(error, reader.device_index or 0)
+            raise
 
     run.__name__ = f"tpu_{op.__name__}"
     _PROGRAM_CACHES.append(compile_for)
@@ -439,7 +448,8 @@ class Table:
 
             libraries: dict[str, torch.library.Library] = {}
             installed = set()
-            kernels = list(CUSTOM_KERNELS.items()) + [  # a hand-written kernel serves eager; its lowering, graphs
+            kernels = [(name, guard.guarded(fn)) for name, fn in CUSTOM_KERNELS.items()] + [
+                # a hand-written kernel serves eager; its lowering, graphs
                 (name, build_kernel(resolve(name), entry)) for name, entry in LOWERINGS.items()
                 if name not in CUSTOM_KERNELS
             ]
@@ -450,7 +460,7 @@ class Table:
                     raise RuntimeError(f"{op.name()} is CompositeImplicitAutograd: lower what it decomposes into")
                 if op.namespace not in libraries:
                     libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
-                libraries[op.namespace].impl(op, guarded(fn), "PrivateUse1")
+                libraries[op.namespace].impl(op, fn, "PrivateUse1")
                 installed.add(op.name())
             self.installed = frozenset(installed)
             self._libraries = libraries

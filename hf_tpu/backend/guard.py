@@ -1,4 +1,5 @@
-"""What every tpu kernel goes through: the fork check and out-of-memory errors.
+"""What every tpu kernel goes through: the fork check and out-of-memory errors (``guarded`` wraps the
+hand-written kernels; kernels built from lowerings do the same inline, in ``dispatch.build_kernel``).
 
 JAX's runtime does not survive ``os.fork()``: its threads are gone in the child, and the child's first
 device computation waits for them forever. Once the parent has started the runtime, a forked child
@@ -24,29 +25,29 @@ FORK_MESSAGE = (
     "workers that only produce CPU tensors work with fork."
 )
 
-_in_bad_fork = False
+forked = False  # in a child forked after the runtime started
 _watching = False
 
 
-def _forked() -> None:
-    global _in_bad_fork
-    _in_bad_fork = True
+def _mark_forked() -> None:
+    global forked
+    forked = True
 
 
 def watch_forks() -> None:
     """Called once the JAX runtime is up: children forked from now on may not use the device."""
     global _watching
     if not _watching:
-        os.register_at_fork(after_in_child=_forked)
+        os.register_at_fork(after_in_child=_mark_forked)
         _watching = True
 
 
 def in_bad_fork() -> bool:
-    return _in_bad_fork
+    return forked
 
 
 def check_not_forked() -> None:
-    if _in_bad_fork:
+    if forked:
         raise RuntimeError(FORK_MESSAGE)
 
 
@@ -66,7 +67,7 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        if _in_bad_fork:
+        if forked:
             raise RuntimeError(FORK_MESSAGE)
         try:
             return fn(*args, **kwargs)
