@@ -43,17 +43,25 @@ class _Managed(ctypes.Structure):
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Managed))
 _Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
 
-_alive: dict[int, tuple] = {}  # address of each capsule's struct -> what must outlive torch's use of it
-
-
-@_Deleter
-def _release(managed: ctypes.POINTER(_Managed)) -> None:
-    _alive.pop(ctypes.addressof(managed.contents), None)
-
+# Each capsule's struct, shape and strides live in one malloc'd block that torch frees with libc's
+# free when the tensor's storage dies. No Python runs then: a Python deleter called while an
+# exception is in flight (a temporary tensor dropped by a raising call, e.g. ``.numpy()``) would turn
+# it into "SystemError: error return without exception set".
+_libc = ctypes.CDLL(None)
+_malloc = _libc.malloc
+_malloc.restype = ctypes.c_void_p
+_malloc.argtypes = [ctypes.c_size_t]
+_free = _libc.free
+_free.restype = None
+_free.argtypes = [ctypes.c_void_p]
+_FREE = _Deleter(ctypes.cast(_free, ctypes.c_void_p).value)
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capsule_unused = ctypes.pythonapi.PyCapsule_IsValid  # torch renames a capsule it took to "used_dltensor"
+_capsule_unused.restype = ctypes.c_int
+_capsule_unused.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
 def _code(dtype: torch.dtype) -> int | None:
@@ -77,18 +85,31 @@ def tensor_at(address: int, shape: tuple, stride: tuple, dtype: torch.dtype, dev
     code = _code(dtype)
     carrier = dtype if code is not None else torch.uint8  # e.g. float8: same bytes, viewed below
     ndim = len(shape)
-    sizes = (ctypes.c_int64 * max(ndim, 1))(*shape)
-    strides = (ctypes.c_int64 * max(ndim, 1))(*stride)
-    managed = _Managed()
+    slots = max(ndim, 1)
+    head = ctypes.sizeof(_Managed)
+    block = _malloc(head + 2 * slots * 8)
+    if not block:
+        raise MemoryError("hf_tpu: cannot allocate a DLPack descriptor")
+    sizes = (ctypes.c_int64 * slots).from_address(block + head)
+    strides = (ctypes.c_int64 * slots).from_address(block + head + slots * 8)
+    sizes[:ndim], strides[:ndim] = shape, stride
+    managed = _Managed.from_address(block)
     managed.dl_tensor.data = address
     managed.dl_tensor.device = _Device(_EXT_DEV, device_index)
     managed.dl_tensor.ndim = ndim
     managed.dl_tensor.dtype = _DataType(_code(carrier), carrier.itemsize * 8, 1)
     managed.dl_tensor.shape = sizes
     managed.dl_tensor.strides = strides
-    managed.deleter = _release
-    _alive[ctypes.addressof(managed)] = (managed, sizes, strides)
-    tensor = torch._C._from_dlpack(_capsule_new(ctypes.addressof(managed), b"dltensor", None))
+    managed.dl_tensor.byte_offset = 0
+    managed.manager_ctx = None
+    managed.deleter = _FREE
+    capsule = _capsule_new(block, b"dltensor", None)
+    try:
+        tensor = torch._C._from_dlpack(capsule)
+    except BaseException:
+        if _capsule_unused(capsule, b"dltensor"):  # torch did not take it: nothing else frees the block
+            _free(block)
+        raise
     if carrier != dtype:
         tensor = torch.ops.aten.view.dtype.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), tensor, dtype)
     return tensor

@@ -23,6 +23,9 @@ from . import allocator, dlpack_alloc, dtypes, runtime, strided, tpu_lowering
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
 _CHIP_0 = torch.device("tpu", 0)
+# UntypedStorage._swap_data_ptr_ first appeared in torch 2.12; without it every tensor is built
+# through DLPack (dlpack_alloc), which the fast path below only shortcuts.
+_CAN_SWAP = hasattr(torch._C.StorageBase, "_swap_data_ptr_")
 
 
 _latest: dict[int, Any] = {}  # the newest array per device: waiting on it waits on all queued work
@@ -97,7 +100,7 @@ def _zeros_program(numel: int, dtype: Any, device_index: int) -> Any:
 
 def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
     """A tpu tensor on a new storage at ``buffer``'s address, carrying ``buffer``."""
-    if buffer.device_index == 0 and stride is None:  # the fast path: contiguous on chip 0
+    if _CAN_SWAP and buffer.device_index == 0 and stride is None:  # the fast path: contiguous on chip 0
         tensor = _create_empty(shape, buffer.dtype)
         untyped = tensor.untyped_storage()
         untyped._swap_data_ptr_(_storage_at(buffer.address, _CHIP_0, buffer.nbytes))

@@ -25,12 +25,20 @@ def _arange_dtype(start, end, step, dtype):
     return torch.int64 if integral else torch.get_default_dtype()
 
 
+# torch sizes an arange from its bounds truncated to integers when all three are integers and, before
+# 2.14, also for any int64 result; otherwise from the bounds as given (arange(0, 5, 1.5, dtype=int64)
+# has 5 elements before 2.14, 4 from 2.14; as int32, 4 in both). An integral result's values are
+# start + i * step with both truncated (torch._refs.arange).
+_INT64_TRUNCATES = torch.__version__ < (2, 14)
+
+
 def _arange_length(start, end, step, dtype: torch.dtype):
     if step == 0:
         raise RuntimeError("step must be nonzero")
     if (step > 0 and end < start) or (step < 0 and end > start):
         raise RuntimeError("upper bound and larger bound inconsistent with step sign")
-    if not (dtype.is_floating_point or dtype.is_complex):
+    integral_bounds = all(isinstance(v, (bool, int)) for v in (start, end, step))
+    if integral_bounds or (_INT64_TRUNCATES and dtype == torch.int64):
         return -((int(start) - int(end)) // int(step))
     return math.ceil((end - start) / step)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from .. import runtime
@@ -141,9 +142,12 @@ def cholesky_ex(self, upper=False, check_errors=False):
     return (_adjoint(lower) if upper else lower), info
 
 
-@lowering("cholesky", "cholesky.out")
 def cholesky(self, upper=False):
     return cholesky_ex(self, upper)[0]
+
+
+if hasattr(torch.ops.aten, "cholesky"):  # torch 2.14 removed aten::cholesky (torch.cholesky raises there)
+    lowering("cholesky", "cholesky.out")(cholesky)
 
 
 @lowering("cholesky_inverse", "cholesky_inverse.out")
