@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ TOO_BIG = 1 << 42  # 4 TiB: refused at once by any host or chip here
 
 
 def test_eager_allocation_failure_is_torch_out_of_memory():
+    gc.collect()  # earlier tests' garbage would be freed in the middle of this one
     allocated = torch.tpu.memory_allocated()
     with pytest.raises(torch.OutOfMemoryError, match=r"tpu out of memory\. Tried to allocate 4\.00 TiB\.") as info:
         torch.empty(TOO_BIG, device="tpu", dtype=torch.uint8).fill_(1)

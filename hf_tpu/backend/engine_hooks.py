@@ -27,7 +27,7 @@ _raise_pending.restype = ctypes.c_void_p
 _raise_pending.argtypes = ()
 
 _kept_lock = threading.Lock()
-_kept: list[BaseException] = []
+_kept: list[BaseException] = []  # at most one: the newest exception taken off a thread
 
 
 class Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -47,7 +47,7 @@ class DeviceGuard(torch._C._acc.DeviceGuard):
             _raise_pending()
         except BaseException as error:  # an autograd hook's exception, about to be lost: keep it
             with _kept_lock:
-                _kept.append(error)
+                _kept[:] = [error]
         return _PRIVATE_USE1
 
 
@@ -65,7 +65,6 @@ def _raise_kept_errors(run: Callable[..., Any]) -> Callable[..., Any]:
         except SystemError as error:
             with _kept_lock:
                 kept = _kept.pop() if _kept and _lost_error(error) else None
-                _kept.clear()
             if kept is None:
                 raise
             raise kept.with_traceback(kept.__traceback__) from None
