@@ -80,6 +80,24 @@ def test_graph_mode_views_factories_and_casts_match_cpu():
         torch.testing.assert_close(actual.cpu(), wanted)
 
 
+def test_backward_with_symbolic_sizes_matches_cpu(monkeypatch):
+    """With ``dynamic=True`` the forward graph hands the sizes its backward needs out as numbers."""
+    monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
+
+    def loss(x, w):
+        return (x.reshape(-1, x.shape[-1] * 2) @ w).square().sum()
+
+    compiled = torch.compile(loss, backend="tpu", dynamic=True)
+    for rows in (3, 5):
+        x, w = torch.randn(4, rows, 6, requires_grad=True), torch.randn(12, 2, requires_grad=True)
+        tpu_x, tpu_w = to_tpu((x, w))
+        loss(x, w).backward()
+        compiled(tpu_x, tpu_w).backward()
+        torch.testing.assert_close(tpu_x.grad.cpu(), x.grad)
+        torch.testing.assert_close(tpu_w.grad.cpu(), w.grad)
+    assert compile_stats()["fallbacks"] == 0
+
+
 _LIBRARY = torch.library.Library("hf_tpu_test_compile", "DEF")
 _LIBRARY.define("mystery(Tensor x) -> Tensor")
 _LIBRARY.impl("mystery", lambda x: x.clone(), "CompositeExplicitAutograd")

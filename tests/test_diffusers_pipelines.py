@@ -83,24 +83,32 @@ def stable_diffusion() -> diffusers.StableDiffusionPipeline:
         tokenizer=clip_tokenizer(), safety_checker=None, feature_extractor=None, requires_safety_checker=False)
 
 
-def stable_diffusion_3() -> diffusers.StableDiffusion3Pipeline:
-    transformer = diffusers.SD3Transformer2DModel(
+def tiny_sd3_transformer() -> diffusers.SD3Transformer2DModel:
+    return diffusers.SD3Transformer2DModel(
         sample_size=32, patch_size=1, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
         num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64)
+
+
+def stable_diffusion_3() -> diffusers.StableDiffusion3Pipeline:
     return diffusers.StableDiffusion3Pipeline(
-        transformer=transformer, vae=one_block_vae(4), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        transformer=tiny_sd3_transformer(), vae=one_block_vae(4),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
         text_encoder=transformers.CLIPTextModelWithProjection(clip_text_config(projection_dim=32)),
         tokenizer=clip_tokenizer(),
         text_encoder_2=transformers.CLIPTextModelWithProjection(clip_text_config(projection_dim=32)),
         tokenizer_2=clip_tokenizer(), text_encoder_3=t5_encoder(), tokenizer_3=t5_tokenizer())
 
 
-def flux() -> diffusers.FluxPipeline:
-    transformer = diffusers.FluxTransformer2DModel(
+def tiny_flux_transformer() -> diffusers.FluxTransformer2DModel:
+    return diffusers.FluxTransformer2DModel(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[4, 4, 8])
+
+
+def flux() -> diffusers.FluxPipeline:
     return diffusers.FluxPipeline(
-        transformer=transformer, vae=one_block_vae(1), scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        transformer=tiny_flux_transformer(), vae=one_block_vae(1),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
         text_encoder=transformers.CLIPTextModel(clip_text_config()), tokenizer=clip_tokenizer(),
         text_encoder_2=t5_encoder(), tokenizer_2=t5_tokenizer())
 

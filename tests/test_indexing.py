@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_same, check_against_cpu
+from conftest import assert_same, check_against_cpu, to_tpu
 
 torch.manual_seed(0)
 A = torch.randn(4, 6)
@@ -248,6 +248,18 @@ def test_masked_scatter_take_search():
     check_against_cpu(lambda a, r: a.repeat_interleave(r, dim=0), A, torch.tensor([1, 0, 2, 1]))
     check_against_cpu(lambda e: torch.unique(e, dim=0), torch.tensor([[1, 2], [0, 1], [1, 2]]))
     check_against_cpu(lambda e: torch.unique_consecutive(e, return_counts=True), torch.tensor([1, 1, 2, 2, 2, 1]))
+
+
+def test_masked_scatter_backward():
+    """The source's gradient is the output's gradient at the masked positions, in order, then zeros."""
+    def scatter(a, m, s):
+        a.masked_scatter(m, s).square().sum().backward()
+        return a.grad, s.grad
+
+    for mask in (MASK, MASK[0]):
+        check_against_cpu(scatter, A.clone().requires_grad_(), mask, torch.randn(5, 6, requires_grad=True))
+    assert_same(torch.ops.aten.masked_scatter_backward(to_tpu(A), to_tpu(MASK), [3, 5]),
+                torch.ops.aten.masked_scatter_backward(A, MASK, [3, 5]))
 
 
 def test_index_factories():

@@ -39,6 +39,7 @@ class Lowering:
     fn: Callable[..., Any]
     static: frozenset[str] = frozenset()
     writes_overlapping: bool = False
+    sees_layout: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -46,17 +47,21 @@ CUSTOM_KERNELS: dict[str, Callable[..., Any]] = {}
 
 
 def lowering(
-    *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False
+    *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False, sees_layout: bool = False
 ) -> Callable[[Callable], Callable]:
     """Registers a JAX lowering for ATen overloads (``"add.Tensor"``; namespace ``aten`` unless given).
 
     ``static`` names Scalar parameters whose value must be known at trace time (e.g. ``arange``'s
     bounds, which decide the output shape). ``writes_overlapping`` lets the in-place form write
     through views whose elements share memory (``expand``), as CPU allows for ``fill_``/``zero_``.
+    ``sees_layout`` passes the lowering a keyword ``contiguous``: for each tensor parameter, in schema
+    order, whether it is contiguous (``None`` for an absent optional). For ops whose ATen kernel picks
+    its algorithm by layout and whose backward formula relies on that choice (``linalg.det`` factors
+    ``A^T`` when ``A`` is contiguous, and its backward solves with the factors accordingly).
     """
 
     def register(fn: Callable) -> Callable:
-        entry = Lowering(fn, frozenset(static), writes_overlapping)
+        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout)
         for name in names:
             _check_unregistered(LOWERINGS, name, fn)
             LOWERINGS[name] = entry
@@ -264,12 +269,14 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     keeps_layout = torch.Tag.pointwise in op.tags and not destinations and len(returns) == 1
     first_tensor = tensor_slots[0][1] if tensor_slots and tensor_slots[0][2] == _TENSOR else None
     n_inputs = len(inputs)
+    layout_indices = [index for _, index, kind in tensor_slots if kind != _TENSOR_LIST] if entry.sees_layout else ()
 
     @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, _, defaulted, views, _, order, _ = key
+        static_values, _, defaulted, views, _, order, _, contiguity = key
+        layout = {"contiguous": contiguity} if entry.sees_layout else {}
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
             slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
         ]
@@ -286,7 +293,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             for slot, value in fixed:
                 call[slot] = value
             with checks.collecting() as collected:
-                result = lowering_fn(*call)
+                result = lowering_fn(*call, **layout)
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
         # keep_unused: unused inputs still pin the chip
@@ -342,6 +349,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 torch.get_default_dtype(),  # type promotion of Python floats depends on it
                 order,
                 checks.MODE,
+                tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices]),
             )
             fn = compile_for(key)
             try:

@@ -35,6 +35,7 @@ def install() -> None:
 
     _install_default_backend()
     when_imported("torch._dynamo.trace_rules", _skip_in_dynamo)
+    when_imported("torch._subclasses.fake_impls", _fake_grouped_mm_for_every_dtype)
 
 
 def _skip_in_dynamo(trace_rules: Any) -> None:
@@ -49,6 +50,26 @@ def _skip_in_dynamo(trace_rules: Any) -> None:
     ]
     trace_rules.SKIP_DIRS.extend(directory.replace(os.sep, "/") + "/" for directory in directories)
     trace_rules._recompile_re()
+
+
+def _fake_grouped_mm_for_every_dtype(fake_impls: Any) -> None:
+    """torch's meta kernel of ``aten::_grouped_mm`` takes only bfloat16 (CUDA's kernel), so Dynamo could not
+    trace float32 experts, which tpu lowers (transformers sends tpu experts there in every dtype): for tpu
+    fake tensors the result is shaped by torch's own rule, in the input's dtype (or ``out_dtype``)."""
+    import torch._meta_registrations as meta
+
+    op = torch.ops.aten._grouped_mm.default
+    output = getattr(meta, "_create_grouped_mm_output_tensor", None)  # private: absent, leave torch's kernel
+    if output is None or op in fake_impls.op_implementations_dict:
+        return
+
+    @fake_impls.register_op_impl(op)
+    def grouped_mm(fake_mode: Any, func: Any, mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None,
+                   out_dtype: Any = None) -> Any:
+        if mat_a.device.type != "tpu":
+            return NotImplemented
+        with fake_mode:
+            return output(mat_a, mat_b, offs, out_dtype)
 
 
 def _install_default_backend() -> None:

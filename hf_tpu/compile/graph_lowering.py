@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
 from ..backend.ops.memory import to_device
@@ -87,15 +88,16 @@ class _Step:
     ``static`` names the parameters the lowering takes as Python values; ``None`` means all of them.
     """
 
-    __slots__ = ("node", "fn", "arguments", "scalar_slots")
+    __slots__ = ("node", "fn", "arguments", "scalar_slots", "layout")
 
-    def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None) -> None:
+    def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None, sees_layout: bool = False) -> None:
         bound = _bound_arguments(node)
         self.node, self.fn = node, fn
         self.arguments = [value for _, value in bound]
         self.scalar_slots = [] if static is None else [
             slot for slot, (argument, value) in enumerate(bound) if _is_traced_scalar(argument, value, static)
         ]
+        self.layout = {"contiguous": _contiguity(bound)} if sees_layout else {}
 
     def run(self, env: dict) -> Any:
         call = [_materialize(value, env) for value in self.arguments]
@@ -106,9 +108,18 @@ class _Step:
                 call[slot] = (tuple(dtypes.scalar_operand(v, wide) for v in value) if isinstance(value, tuple)
                               else dtypes.scalar_operand(value, wide))
         try:
-            return self.fn(*call)
+            return self.fn(*call, **self.layout)
         except (TypeError, ValueError) as error:
             raise RuntimeError(f"{self.node.target.name()}: {error}") from error
+
+
+def _contiguity(bound: list[tuple[torch._C.Argument, Any]]) -> tuple[bool | None, ...]:
+    """Whether each tensor argument is contiguous, from the traced values (``sees_layout`` lowerings)."""
+    flags = []
+    for argument, value in bound:
+        if str(argument.type) in ("Tensor", "Optional[Tensor]"):
+            flags.append(None if value is None else value.meta["val"].is_contiguous())
+    return tuple(flags)
 
 
 def _materialize(value: Any, env: dict) -> Any:
@@ -187,11 +198,16 @@ def _step(node: fx.Node, random_nodes: list[fx.Node]) -> _Step | _PythonStep:
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
     if mutates:
         raise NotImplementedError(f"tpu graph mode: in-place operator {target.name()} in a functional graph")
-    return _Step(node, entry.fn, entry.static)
+    return _Step(node, entry.fn, entry.static, entry.sees_layout)
 
 
 def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_size(node: fx.Node) -> bool:
+    """A size or other number computed from sizes: a Python value when the graph is traced."""
+    return isinstance(node.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _check_on_device(node: fx.Node) -> None:
@@ -204,6 +220,9 @@ def _check_on_device(node: fx.Node) -> None:
 
 class CompiledGraph:
     """A boxed callable (``fn(list_of_inputs)``) that runs one ATen graph as one jitted XLA program.
+
+    Sizes among the results (a forward graph with symbolic sizes saves them for its backward) depend only
+    on the static inputs and the input shapes: they are taken from the trace and kept with the executable.
 
     Mutated graph inputs that are whole device arrays nobody else holds are donated to the program,
     so XLA updates them in place (a StaticCache's layers, optimizer state) instead of keeping a copy.
@@ -227,18 +246,24 @@ class CompiledGraph:
         self._mutated_inputs, self._mutation_nodes = list(mutated), list(mutated.values())
         output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self._outputs = list(output.args[0])
-        self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node)]
+        self._size_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and _is_size(n)]
+        self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and not _is_size(n)]
+        self._traced_sizes: tuple = ()
         for node in self._tensor_outputs:
             _check_on_device(node)
+        for node in self._size_outputs:
+            if free_unbacked_symbols(node.meta["val"]):
+                raise NotImplementedError(f"tpu graph mode: graph output {node.name} is a number read from a tensor")
         self._layouts = [_dense_layout(node.meta["val"]) for node in self._tensor_outputs]
-        self._executables: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
+        self._executables: collections.OrderedDict[tuple, tuple[Callable, tuple]] = collections.OrderedDict()
         self._signature: tuple | None = None
         self.name = f"graph {next(_graph_numbers)}"
         self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
         count("graphs")
 
-    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> Callable:
-        """The XLA executable for these inputs: built once per input signature and donation pattern.
+    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:
+        """The XLA executable for these inputs, and the sizes among the results: built once per input
+        signature and donation pattern.
 
         Executables are shared between graphs through a fingerprint of their program: when Dynamo
         recompiles a function as a graph with symbolic sizes, sizes met before reuse their programs.
@@ -259,7 +284,7 @@ class CompiledGraph:
         else:
             count("cache_hits")
         count("compile_seconds", time.perf_counter() - start)
-        return executable
+        return executable, self._traced_sizes
 
     def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple, Any]:
         signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
@@ -272,6 +297,7 @@ class CompiledGraph:
         with checks.collecting() as collected:
             for step in self._steps:
                 env[step.node] = step.run(env)
+        self._traced_sizes = tuple(env[node] for node in self._size_outputs)
         outputs = tuple(
             env[node] if order is None else jnp.transpose(env[node], order)
             for node, order in zip(self._tensor_outputs, self._layouts)
@@ -288,12 +314,13 @@ class CompiledGraph:
         donated = self._donatable(tensors, arrays)
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
         key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE)
-        executable = _lookup(self._executables, key)
-        if executable is None:
-            executable = _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
-                                _EXECUTABLES_PER_GRAPH)
+        compiled = _lookup(self._executables, key)
+        if compiled is None:
+            compiled = _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
+                              _EXECUTABLES_PER_GRAPH)
         else:
             count("cache_hits")
+        executable, sizes = compiled
         try:
             outputs, written, check = executable(rng, *arrays)
         except Exception as error:
@@ -308,7 +335,9 @@ class CompiledGraph:
         if not tensors and not self._constants:  # factories only: results go to the chip, not JAX's default
             outputs = jax.device_put(outputs, runtime.device(device_index))
         results = iter(zip(outputs, self._tensor_outputs, self._layouts))
-        return [_wrap(*next(results), device_index) if isinstance(o, fx.Node) else o for o in self._outputs]
+        values = dict(zip(self._size_outputs, sizes))
+        return [values[o] if o in values else _wrap(*next(results), device_index) if isinstance(o, fx.Node) else o
+                for o in self._outputs]
 
     def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held

@@ -12,3 +12,4 @@ from . import grid_sample  # noqa: F401
 from . import ctc  # noqa: F401
 from . import ldl  # noqa: F401
 from . import antialias  # noqa: F401
+from . import backward, margin_losses  # noqa: F401

@@ -11,7 +11,9 @@ from :func:`_attend`, the backward as its VJP. Graph mode sees the same two ops 
 (FakeTensors on tpu reach the same kernel) and lowers them from the op table.
 
 Dropout takes the math path: the fused op's schema has no input for a random key, so its lowering
-could not draw fresh randomness inside a jitted program.
+could not draw fresh randomness inside a jitted program. So do ``torch.func`` transforms and forward-mode
+AD (the fused op has no batching rule, forward-AD formula or double backward) and ``sdpa_kernel`` choices
+without OVERRIDEABLE; see :func:`_fused_unsupported`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend
 
 from ..dispatch import Lowering, build_kernel, kernel, lowering, resolve
@@ -142,10 +145,29 @@ def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_
     return tuple(g if keep else None for g, keep in zip(wanted, grad_input_mask))
 
 
+def _fused_unsupported() -> bool:
+    """Whether a transform the fused op does not support is in effect, so the math path (whose ops have batching
+    rules, forward-AD formulas and derivatives of their backward ops) must be taken:
+
+    - any ``torch.func`` transform: functorch has no batching rule for the fused op or its backward (the loop
+      fallback it builds cannot return the fused op's non-tensor outputs, as in ``vmap(grad(f))``, and runs one
+      program per sample for the backward, as in ``jacrev``, which vmaps a VJP), and torch defines no derivative
+      for the fused backward (``grad(grad(f))``);
+    - forward-mode AD (``jvp``, ``jacfwd``, ``forward_ad.dual_level``): the fused op has no forward-AD formula.
+    """
+    return torch._C._functorch.maybe_current_level() is not None or forward_ad._current_level >= 0
+
+
 def _choose(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> int:
-    """The overrideable (fused) backend, or the math path for dropout and for inputs the fused op does not take
-    (not 3-d or 4-d, or heads that do not group), where torch's own checks then raise CPU's errors."""
+    """The overrideable (fused) backend, or the math path for dropout, under torch.func and forward-mode AD, where
+    ``sdpa_kernel`` leaves OVERRIDEABLE out, and for inputs the fused op does not take (not 3-d or 4-d, or heads
+    that do not group), where torch's own checks then raise CPU's errors."""
     if dropout_p != 0 or query.dim() not in (3, 4) or key.dim() != query.dim() or value.dim() != query.dim():
+        return int(SDPBackend.MATH)
+    if _fused_unsupported():
+        return int(SDPBackend.MATH)
+    # sdpa_kernel() without OVERRIDEABLE, e.g. for double backward, which the fused backward op does not support
+    if not torch._C._get_overrideable_sdp_enabled():
         return int(SDPBackend.MATH)
     heads, kv_heads = query.size(-3), key.size(-3)
     if value.size(-3) != kv_heads or (heads != kv_heads and not (enable_gqa and heads % kv_heads == 0)):

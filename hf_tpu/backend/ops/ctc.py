@@ -4,14 +4,15 @@ The forward pass is the alpha recursion over the blank-extended targets ``[blank
 ..., blank]`` in log space, one ``lax.scan`` step per time step for the whole batch. Lengths are
 static (the ``int[]`` overloads; the ``Tensor`` overloads read them to the host first, as CPU and
 CUDA do). ``log_alpha`` is ``-inf`` where CPU leaves it unwritten (past a sample's input length or
-its extended target). The backward pass is the gradient of the negative log-likelihood plus
-``exp(log_probs)``, as CPU returns it: the gradient with respect to the logits when ``log_probs``
-come from ``log_softmax``.
+its extended target). The backward pass is CPU's: the beta recursion backwards in time, the
+``alpha + beta`` of the extended positions summed (in log space, in position order) per class, and
+``exp(log_probs) - exp(collected + nll - log_probs)``: the gradient with respect to the logits
+when ``log_probs`` come from ``log_softmax``. Summing in CPU's order matters: the result is a
+difference of nearly equal terms.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -43,8 +44,9 @@ def _extended_targets(targets, target_lengths, blank, width):
     return jnp.where(np.arange(width) % 2 == 0, blank, labels).astype(jnp.int64)
 
 
-def _forward(log_probs, targets, input_lengths, target_lengths, blank):
-    """(negative log-likelihood (N,), log_alpha (N, T, 2 * max_target_length + 1)) for (T, N, C) log_probs."""
+def _lattice(log_probs, targets, input_lengths, target_lengths, blank):
+    """The extended targets (N, W), their log-probabilities (T, N, W), which positions exist (N, W)
+    and which may be reached from two positions back (a new, non-blank class), and the lengths."""
     steps, batch = log_probs.shape[:2]
     input_lengths = np.asarray(input_lengths, np.int64)
     target_lengths = np.asarray(target_lengths, np.int64)
@@ -54,6 +56,16 @@ def _forward(log_probs, targets, input_lengths, target_lengths, blank):
     position = np.arange(width)
     valid = position < 2 * target_lengths[:, None] + 1
     skip = (position >= 2) & jnp.concatenate([jnp.zeros((batch, 2), bool), extended[:, 2:] != extended[:, :-2]], 1)
+    return extended, emissions, valid, skip, input_lengths, target_lengths
+
+
+def _forward(log_probs, targets, input_lengths, target_lengths, blank):
+    """(negative log-likelihood (N,), log_alpha (N, T, 2 * max_target_length + 1)) for (T, N, C) log_probs."""
+    steps, batch = log_probs.shape[:2]
+    extended, emissions, valid, skip, input_lengths, target_lengths = _lattice(
+        log_probs, targets, input_lengths, target_lengths, blank)
+    width = extended.shape[1]
+    position = np.arange(width)
     neg_inf = jnp.full((batch, width), -jnp.inf, log_probs.dtype)
     first = jnp.where((position <= 1) & valid, emissions[0], -jnp.inf)
 
@@ -93,18 +105,61 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_in
     return (loss[0], log_alpha[0]) if unbatched else (loss, log_alpha)
 
 
+def _log_beta(emissions, valid, skip, input_lengths, target_lengths):
+    """(T, N, W) beta recursion backwards from each sample's last time step, ``-inf`` elsewhere."""
+    steps, batch, width = emissions.shape
+    last = input_lengths - 1
+    end = 2 * target_lengths
+    position = np.arange(width)
+    start = (position == end[:, None]) | ((position == end[:, None] - 1) & (target_lengths[:, None] > 0))
+    neg_inf = jnp.full((batch, 2), -jnp.inf, emissions.dtype)
+    skip_ahead = jnp.concatenate([skip[:, 2:], jnp.zeros((batch, 2), bool)], axis=1)  # s may reach s + 2
+
+    def step(following, inputs):
+        emission, t = inputs
+        one_ahead = jnp.concatenate([following[:, 1:], neg_inf[:, :1]], axis=1)
+        two_ahead = jnp.where(skip_ahead, jnp.concatenate([following[:, 2:], neg_inf], axis=1), -jnp.inf)
+        current = _log_add(following, one_ahead, two_ahead) + emission
+        current = jnp.where((t == last)[:, None], jnp.where(start, emission, -jnp.inf), current)
+        current = jnp.where(valid & (t <= last)[:, None], current, -jnp.inf)
+        return current, current
+
+    initial = jnp.full((batch, width), -jnp.inf, emissions.dtype)
+    _, betas = lax.scan(step, initial, (emissions, jnp.arange(steps)), reverse=True)
+    return betas
+
+
+def _collect(log_alpha_beta, extended, classes):
+    """(T, N, C): per class, the log-sum of ``alpha + beta`` over the positions holding it, added one
+    position at a time in increasing order as CPU does."""
+    steps, batch, width = log_alpha_beta.shape
+    collected = jnp.full((steps, batch, classes), -jnp.inf, log_alpha_beta.dtype)
+    rows = np.arange(batch)
+    for s in range(width):
+        term = log_alpha_beta[:, :, s]
+        current = collected[:, rows, extended[:, s]]
+        top = jnp.maximum(current, term)
+        shift = jnp.where(jnp.isneginf(top), 0, top)
+        summed = jnp.log(jnp.exp(current - shift) + jnp.exp(term - shift)) + shift
+        collected = collected.at[:, rows, extended[:, s]].set(jnp.where(jnp.isneginf(current), term, summed))
+    return collected
+
+
 @lowering("_ctc_loss_backward", "_ctc_loss_backward.out")
 def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha,
                       blank, zero_infinity=False):
     unbatched = log_probs.ndim == 2
     batched, targets = _batched(log_probs, targets)
-    losses, vjp = jax.vjp(lambda lp: _forward(lp, targets, input_lengths, target_lengths, blank)[0], batched)
-    scale = jnp.broadcast_to(jnp.reshape(grad, (-1,)), losses.shape)
-    (d_loss,) = vjp(jnp.ones_like(losses))
-    result = (jnp.exp(batched) + d_loss) * scale[None, :, None]
-    # An impossible alignment (infinite loss) has gradient 0 with zero_infinity, else NaN as on CPU.
-    result = jnp.where(jnp.isinf(losses)[None, :, None], 0 if zero_infinity else jnp.nan, result)
-    active = np.arange(batched.shape[0])[:, None] < np.asarray(input_lengths)[None, :]  # (T, N)
+    extended, emissions, valid, skip, lengths, _ = _lattice(batched, targets, input_lengths, target_lengths, blank)
+    betas = _log_beta(emissions, valid, skip, lengths, np.asarray(target_lengths, np.int64))
+    alphas = jnp.swapaxes(log_alpha[None] if unbatched else log_alpha, 0, 1)
+    collected = _collect(alphas + betas, extended, batched.shape[2])
+    nll = jnp.reshape(neg_log_likelihood, (1, -1, 1))
+    scale = jnp.reshape(grad, (1, -1, 1))
+    result = (jnp.exp(batched) - jnp.exp(collected + nll - batched)) * scale
+    if zero_infinity:
+        result = jnp.where(jnp.isinf(nll), 0, result)
+    active = np.arange(batched.shape[0])[:, None] < lengths[None, :]  # (T, N)
     result = jnp.where(active[..., None], result, 0)
     return result[:, 0] if unbatched else result
 

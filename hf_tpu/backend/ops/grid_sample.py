@@ -1,21 +1,25 @@
-"""3-D grid sampling (``grid_sampler_3d``, behind ``F.grid_sample`` on 5-D inputs).
+"""Grid sampling (``grid_sampler_2d``/``grid_sampler_3d``, behind ``F.grid_sample``) and its backward.
 
-The 2-D sampler runs as torch's decomposition. Coordinates follow torch's kernels: ``grid[..., 0]``
-indexes W, ``1`` H, ``2`` D; ``align_corners`` maps -1 and 1 to the centres (True) or the outer
-edges (False) of the corner voxels; padding ``zeros`` reads 0 outside, ``border`` clamps and
-``reflection`` mirrors the coordinates at the borders. Non-finite coordinates read as outside,
-except that border and reflection padding clamp NaN to the far border, as CPU's clamp does. As in
-torch's CPU kernel, the arithmetic runs in the input's dtype (bfloat16 too), weights and sums in
-CPU's order.
+Coordinates follow torch's kernels: ``grid[..., 0]`` indexes W, ``1`` H, ``2`` D; ``align_corners``
+maps -1 and 1 to the centres (True) or the outer edges (False) of the corner pixels; padding ``zeros``
+reads 0 outside, ``border`` clamps and ``reflection`` mirrors the coordinates at the borders.
+Non-finite coordinates read as outside, except that border and reflection padding clamp NaN to the far
+border, as CPU's clamp does. As in torch's CPU kernel, the arithmetic runs in the input's dtype
+(bfloat16 too), weights and sums in CPU's order. The 2-D forward with bicubic interpolation runs as
+torch's decomposition; the backward ops are the VJP of the bilinear and nearest samplers here.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 
+import jax
 import jax.numpy as jnp
 
 from ..dispatch import lowering
+from .linalg import _accumulator
 
 _BILINEAR, _NEAREST, _BICUBIC = range(3)
 _ZEROS, _BORDER, _REFLECTION = range(3)
@@ -38,12 +42,20 @@ def _clip(coordinate, size):
     return jnp.where(coordinate < size - 1, coordinate, size - 1)
 
 
-def _source_coordinate(coordinate, size, padding_mode, align_corners):
+def _unnormalize(coordinate, size, align_corners):
     """A normalised grid coordinate in [-1, 1] as a (fractional) voxel index along a dim of ``size``."""
     if align_corners:
-        coordinate = (coordinate + 1) / 2 * (size - 1)
-    else:
-        coordinate = ((coordinate + 1) * size - 1) / 2
+        return (coordinate + 1) / 2 * (size - 1)
+    return ((coordinate + 1) * size - 1) / 2
+
+
+def _source_coordinate(coordinate, size, padding_mode, align_corners):
+    """A grid coordinate as a voxel index with the padding mode applied."""
+    return _padded(_unnormalize(coordinate, size, align_corners), size, padding_mode, align_corners)
+
+
+def _padded(coordinate, size, padding_mode, align_corners):
+    """A voxel index with ``border`` or ``reflection`` padding applied; non-finite ones read as outside."""
     if padding_mode == _BORDER:
         coordinate = _clip(coordinate, size)
     elif padding_mode == _REFLECTION:
@@ -63,28 +75,90 @@ def _read(flat_input, sizes, corner):
     return jnp.where(inside[:, None, :], values, 0)
 
 
-@lowering("grid_sampler_3d", "grid_sampler_3d.out")
-def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
-    if interpolation_mode == _BICUBIC:
+def _check_modes(interpolation_mode, padding_mode, spatial_dims):
+    if interpolation_mode == _BICUBIC and spatial_dims == 3:
         raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
-    if interpolation_mode not in (_BILINEAR, _NEAREST) or padding_mode not in (_ZEROS, _BORDER, _REFLECTION):
+    if interpolation_mode not in (_BILINEAR, _NEAREST, _BICUBIC) or padding_mode not in (_ZEROS, _BORDER, _REFLECTION):
         raise RuntimeError(f"grid_sampler(): unknown interpolation mode {interpolation_mode} or padding mode "
                            f"{padding_mode}")
+
+
+_CUBIC_A = -0.75  # the cubic convolution constant of torch's bicubic kernels
+
+
+def _cubic_weights(t):
+    """The four cubic convolution weights of taps at distances 1 + t, t, 1 - t, 2 - t."""
+    a = _CUBIC_A
+
+    def near(x):
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+def _bicubic(flat_input, sizes, points, padding_mode, align_corners):
+    """CPU's 2-D bicubic sampling: 4 x 4 taps around the unpadded coordinate, padding applied per tap."""
+    height, width = sizes
+    x = _unnormalize(points[..., 0], width, align_corners)
+    y = _unnormalize(points[..., 1], height, align_corners)
+    x0, y0 = jnp.floor(x), jnp.floor(y)
+    wx, wy = _cubic_weights(x - x0), _cubic_weights(y - y0)
+
+    def tap(row, column):
+        coordinates = [_padded(c, size, padding_mode, align_corners) for c, size in ((row, height), (column, width))]
+        return _read(flat_input, sizes, coordinates)
+
+    rows = []
+    for i in range(4):
+        taps = [tap(y0 - 1 + i, x0 - 1 + j) for j in range(4)]
+        rows.append(sum((t * w[:, None, :] for t, w in zip(taps[1:], wx[1:])), taps[0] * wx[0][:, None, :]))
+    return sum((r * w[:, None, :] for r, w in zip(rows[1:], wy[1:])), rows[0] * wy[0][:, None, :])
+
+
+def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
+    """Samples ``input`` (N, C, *spatial) at ``grid`` (N, *out, len(spatial))."""
     n, c = input.shape[:2]
     sizes = input.shape[2:]
-    out_shape = grid.shape[1:4]
+    dims = len(sizes)
+    out_shape = grid.shape[1:1 + dims]
     flat_input = input.reshape(n, c, -1)
-    points = grid.astype(input.dtype).reshape(n, -1, 3)
-    # (z, y, x) voxel coordinates, each (N, P)
-    position = [_source_coordinate(points[..., 2 - d], sizes[d], padding_mode, align_corners) for d in range(3)]
+    points = grid.astype(input.dtype).reshape(n, -1, dims)
+    if interpolation_mode == _BICUBIC:
+        return _bicubic(flat_input, sizes, points, padding_mode, align_corners).reshape((n, c) + out_shape)
+    # (z,) y, x pixel coordinates, each (N, P)
+    position = [_source_coordinate(points[..., dims - 1 - d], sizes[d], padding_mode, align_corners)
+                for d in range(dims)]
     if interpolation_mode == _NEAREST:
         result = _read(flat_input, sizes, [jnp.round(p) for p in position])
     else:
         low = [jnp.floor(p) for p in position]
         result = jnp.zeros((n, c, points.shape[1]), input.dtype)
-        for upper in itertools.product((0, 1), repeat=3):
+        for upper in itertools.product((0, 1), repeat=dims):
             corner = [lo + u for lo, u in zip(low, upper)]
             factors = [p - lo if u else lo + 1 - p for p, lo, u in zip(position, low, upper)]
-            weight = factors[2] * factors[1] * factors[0]  # x, y, z: CPU's order
+            weight = functools.reduce(operator.mul, factors[::-1])  # x, y(, z): CPU's order
             result = result + _read(flat_input, sizes, corner) * weight[:, None, :]
     return result.reshape((n, c) + out_shape)
+
+
+@lowering("grid_sampler_2d", "grid_sampler_2d.out", "grid_sampler_3d", "grid_sampler_3d.out")
+def grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
+    _check_modes(interpolation_mode, padding_mode, input.ndim - 2)
+    return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sampler_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    """Gradients of the sampled values with respect to ``input`` and ``grid`` (float32 for half precision)."""
+    _check_modes(interpolation_mode, padding_mode, input.ndim - 2)
+    compute = _accumulator(input.dtype)
+    _, pullback = jax.vjp(lambda x, g: _grid_sample(x, g, interpolation_mode, padding_mode, align_corners),
+                          input.astype(compute), grid.astype(compute))
+    grad_input, grad_grid = pullback(grad_output.astype(compute))
+    return grad_input.astype(input.dtype), grad_grid.astype(grid.dtype)
+
+
+lowering("grid_sampler_2d_backward", "grid_sampler_2d_backward.out",
+         "grid_sampler_3d_backward", "grid_sampler_3d_backward.out")(grid_sampler_backward)

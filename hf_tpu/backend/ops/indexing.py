@@ -155,6 +155,20 @@ def masked_scatter(self, mask, source):
     return jnp.where(flat_mask, values, self.reshape(-1)).reshape(shape)
 
 
+@lowering("masked_scatter_backward")
+def masked_scatter_backward(grad_output, mask, sizes):
+    """The gradient of ``masked_scatter``'s source: ``grad_output`` at the masked positions, in order, then
+    zeros, shaped as the source (``sizes``). A scatter with static shapes (CPU's composite goes through
+    ``masked_select``, whose length depends on the mask), so graph mode lowers it too."""
+    shape = jnp.broadcast_shapes(grad_output.shape, mask.shape)
+    flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
+    numel = int(np.prod(sizes, dtype=np.int64))
+    targets = jnp.where(flat_mask, jnp.cumsum(flat_mask, dtype=jnp.int64) - 1, numel)  # unmasked: dropped
+    flat = jnp.zeros((numel,), grad_output.dtype)
+    flat = flat.at[targets].set(jnp.broadcast_to(grad_output, shape).reshape(-1), mode="drop")
+    return flat.reshape(tuple(sizes))
+
+
 @kernel("masked_select")
 def masked_select(self, mask):
     if mask.dtype != torch.bool:
@@ -329,6 +343,8 @@ def _check_along(self, index, dim) -> None:
 
 def _scatter_reduce(self, dim, index, src, reduce, include_self):
     shape = self.shape
+    if index.size == 0:  # an empty index may have any number of dims (gather's backward passes one)
+        return self
     self, index = jnp.atleast_1d(self), jnp.atleast_1d(index)
     _check_along(self, index, dim)
     positions = _scatter_positions(index, dim)
@@ -495,5 +511,5 @@ def _unique_on_host(op):
     return run
 
 
-for _name in ("_unique2", "unique_dim", "unique_consecutive"):
+for _name in ("_unique", "_unique2", "unique_dim", "unique_consecutive"):
     kernel(_name)(_unique_on_host(getattr(torch.ops.aten, _name).default))

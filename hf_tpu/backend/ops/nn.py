@@ -240,6 +240,33 @@ def silu_backward(grad_output, self):
     return (grad * sigmoid * (1 + x * (1 - sigmoid))).astype(grad_output.dtype)
 
 
+# glu = a * sigmoid(b) with (a, b) the halves of x along dim. glu and glu_backward run as torch's
+# decompositions, but their forward-AD formulas (jvp, jacfwd, hessian, forward_ad dual tensors) call
+# these two ops, which have none.
+@lowering("glu_jvp", "glu_jvp.out")
+def glu_jvp(glu, x, dx, dim):
+    """The tangent of glu: sigmoid(b) * da + glu * (1 - sigmoid(b)) * db."""
+    axis = _axis(dim, x.ndim)
+    (_, b), (da, db) = jnp.split(_upcast(x), 2, axis), jnp.split(_upcast(dx), 2, axis)
+    sig_b = jax.nn.sigmoid(b)
+    return (sig_b * da + _upcast(glu) * (1 - sig_b) * db).astype(glu.dtype)
+
+
+@lowering("glu_backward_jvp", "glu_backward_jvp.out")
+def glu_backward_jvp(grad_x, grad_glu, x, dgrad_glu, dx, dim):
+    """The tangent of glu_backward's result (grad_x_a = grad_glu * s, grad_x_b = grad_x_a * a * (1 - s), with
+    s = sigmoid(b)) given the tangents of grad_glu and x, as ATen's glu_backward_jvp computes it."""
+    axis = _axis(dim, x.ndim)
+    (a, b), (da, db) = jnp.split(_upcast(x), 2, axis), jnp.split(_upcast(dx), 2, axis)
+    grad_x_a = jnp.split(_upcast(grad_x), 2, axis)[0]
+    sig_b = jax.nn.sigmoid(b)
+    glu = a * sig_b
+    db_neg_sig_b = db - db * sig_b
+    dgrad_x_a = _upcast(dgrad_glu) * sig_b + grad_x_a * db_neg_sig_b
+    dgrad_x_b = dgrad_x_a * (a - glu) + grad_x_a * (da - da * sig_b - glu * db_neg_sig_b)
+    return jnp.concatenate([dgrad_x_a, dgrad_x_b], axis).astype(grad_x.dtype)
+
+
 @lowering("embedding", "embedding.out")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     checks.indices_in_range(indices, weight.shape[0], IndexError, "index out of range in self", negative=False)

@@ -173,12 +173,21 @@ def reciprocal(self):
     return _math(lambda x: 1 / x, _float_result(self), self)
 
 
-@lowering("sign", "sign_", "sign.out", "sgn", "sgn_", "sgn.out")
+@lowering("sign", "sign_", "sign.out")
 def sign(self):
     """-1, 0 or 1; 0 for NaN, as torch."""
     if self.dtype == jnp.bool_:
         return self
     return (self > 0).astype(self.dtype) - (self < 0).astype(self.dtype)
+
+
+@lowering("sgn", "sgn_", "sgn.out")
+def sgn(self):
+    """``sign`` for real tensors; ``z / |z|`` (0 at 0) for complex ones (the direction autograd uses for ``abs``)."""
+    if not jnp.iscomplexobj(self):
+        return sign(self)
+    magnitude = jnp.abs(self)
+    return jnp.where(magnitude == 0, jnp.zeros((), self.dtype), self / jnp.where(magnitude == 0, 1, magnitude))
 
 
 @lowering("addcmul", "addcmul_", "addcmul.out")
@@ -368,7 +377,7 @@ for _name, _dunder, _fn in (("left", "lshift", lax.shift_left), ("right", "rshif
 # --- selection, min/max, clamping ---------------------------------------------------------------
 
 
-@lowering("where.self", "where.self_out")
+@lowering("where.self", "where.self_out", "prims::where")
 def where(condition, self, other):
     dtype = result_type(self, other)
     return jnp.where(condition, jnp.asarray(self, dtype), jnp.asarray(other, dtype))

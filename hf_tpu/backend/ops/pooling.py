@@ -49,7 +49,8 @@ def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, div
                               zip(spatial, kernel, stride, padding, outs)]
     windows = (1,) * lead + kernel
     strides = (1,) * lead + stride
-    total = lax.reduce_window(x.astype(compute), jnp.zeros((), compute), lax.add, windows, strides, pads)
+    # A NumPy zero (a constant, not a traced value) makes this JAX's differentiable window sum.
+    total = lax.reduce_window(x.astype(compute), np.zeros((), compute), lax.add, windows, strides, pads)
     total = total[(Ellipsis,) + tuple(slice(0, o) for o in outs)]
     if divisor_override:
         return (total / divisor_override).astype(x.dtype)
@@ -190,6 +191,16 @@ def max_pool2d_backward(grad_output, self, kernel_size, stride, padding, dilatio
 
 @lowering("max_pool3d_with_indices_backward", "max_pool3d_with_indices_backward.grad_input")
 def max_pool3d_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _scatter_plane_gradient(grad_output, self, indices, 3)
+
+
+@lowering("fractional_max_pool2d_backward", "fractional_max_pool2d_backward.grad_input")
+def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, indices):
+    return _scatter_plane_gradient(grad_output, self, indices, 2)
+
+
+@lowering("fractional_max_pool3d_backward", "fractional_max_pool3d_backward.grad_input")
+def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
     return _scatter_plane_gradient(grad_output, self, indices, 3)
 
 

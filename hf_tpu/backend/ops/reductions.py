@@ -560,22 +560,12 @@ def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=
     """
     if reduce not in _SEGMENT_REDUCERS:
         raise RuntimeError(f"reduce argument must be either sum, mean, max, min or prod, got {reduce}")
-    if offsets is None:
-        ends = jnp.cumsum(lengths, axis=-1)
-        offsets = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends], axis=-1)
     axis %= data.ndim
-    lead, size, rest = data.shape[:axis], data.shape[axis], data.shape[axis + 1:]
-    segments = offsets.shape[-1] - 1
-    starts = offsets.reshape(-1, segments + 1)[:, 1:]
-    position = jnp.arange(size)
-    # Element j of leading index b lies in the segment counted by the ends at or before it.
-    ids = jnp.sum(starts[:, None, :] <= position[None, :, None], axis=-1)
-    ids = jnp.broadcast_to(ids, (math.prod(lead), size)) + jnp.arange(math.prod(lead))[:, None] * (segments + 1)
-    flat = data.reshape((math.prod(lead) * size,) + rest).astype(_opmath(data.dtype))
-    total = math.prod(lead) * (segments + 1)
-    result = _SEGMENT_REDUCERS[reduce](flat, ids.reshape(-1), total)
-    counts = jax.ops.segment_sum(jnp.ones(flat.shape[:1], jnp.int64), ids.reshape(-1), total)
-    counts = counts.reshape((-1,) + (1,) * len(rest))
+    lead, rest = data.shape[:axis], data.shape[axis + 1:]
+    ids, segments, total = _segment_ids(data, lengths, offsets, axis)
+    flat = data.reshape((ids.shape[0],) + rest).astype(_opmath(data.dtype))
+    result = _SEGMENT_REDUCERS[reduce](flat, ids, total)
+    counts = _segment_counts(ids, total, len(rest))
     if initial is not None:
         start = jnp.asarray(initial, flat.dtype)
         result = {"sum": result + start, "mean": result + start, "prod": result * start,
@@ -585,3 +575,57 @@ def segment_reduce(data, reduce, lengths=None, indices=None, offsets=None, axis=
         result = jnp.where(counts > 0, result, jnp.asarray(jnp.nan if initial is None else initial, flat.dtype))
     result = result.reshape(lead + (segments + 1,) + rest)
     return lax.slice_in_dim(result, 0, segments, axis=axis).astype(data.dtype)
+
+
+def _segment_ids(data, lengths, offsets, axis):
+    """Each element's segment along ``axis``, numbered across the leading dims (``segments + 1`` per
+    leading index, the last for elements past the final offset); the segment count; the id count."""
+    if offsets is None:
+        ends = jnp.cumsum(lengths, axis=-1)
+        offsets = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends], axis=-1)
+    lead, size = math.prod(data.shape[:axis]), data.shape[axis]
+    segments = offsets.shape[-1] - 1
+    starts = offsets.reshape(-1, segments + 1)[:, 1:]
+    # Element j of leading index b lies in the segment counted by the ends at or before it.
+    ids = jnp.sum(starts[:, None, :] <= jnp.arange(size)[None, :, None], axis=-1)
+    ids = jnp.broadcast_to(ids, (lead, size)) + jnp.arange(lead)[:, None] * (segments + 1)
+    return ids.reshape(-1), segments, lead * (segments + 1)
+
+
+def _segment_counts(ids, total, trailing):
+    counts = jax.ops.segment_sum(jnp.ones(ids.shape, jnp.int64), ids, total)
+    return counts.reshape((-1,) + (1,) * trailing)
+
+
+@lowering("_segment_reduce_backward", "_segment_reduce_backward.out")
+def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=None, axis=0, initial=None):
+    """CPU's gradient of ``segment_reduce``: a mean's is shared by its segment, a max's or min's by
+    the elements equal to it, a product's is ``output / x`` (the others' product where ``x`` is 0)."""
+    axis %= data.ndim
+    rest = data.shape[axis + 1:]
+    ids, segments, total = _segment_ids(data, lengths, offsets, axis)
+    compute = _opmath(data.dtype)
+    flat = data.reshape((ids.shape[0],) + rest).astype(compute)
+
+    def per_element(values):  # (lead, segments, *rest) -> each element's segment's value, 0 past the end
+        values = values.astype(compute).reshape((-1, segments) + rest)
+        padded = jnp.concatenate([values, jnp.zeros_like(values[:, :1])], axis=1)
+        return padded.reshape((total,) + rest)[ids]
+
+    grad_each, output_each = per_element(grad), per_element(output)
+    if reduce == "mean":
+        result = grad_each / jnp.maximum(_segment_counts(ids, total, len(rest)), 1)[ids]
+    elif reduce in ("max", "min"):
+        hit = flat == output_each
+        ties = jax.ops.segment_sum(hit.astype(compute), ids, total)[ids]
+        result = jnp.where(hit, grad_each / jnp.where(hit, ties, 1), 0)
+    elif reduce == "prod":
+        zero = flat == 0
+        zeros = jax.ops.segment_sum(zero.astype(jnp.int64), ids, total)[ids]
+        others = jax.ops.segment_prod(jnp.where(zero, 1, flat), ids, total)[ids]
+        if initial is not None:
+            others = others * initial
+        result = grad_each * jnp.where(zero, jnp.where(zeros == 1, others, 0), output_each / jnp.where(zero, 1, flat))
+    else:
+        result = grad_each
+    return result.reshape(data.shape).astype(data.dtype)

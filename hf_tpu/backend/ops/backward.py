@@ -1,0 +1,199 @@
+"""Backward ops whose forward torch decomposes (padding, bicubic upsampling) or that CPU computes by
+its own formula (shrinkage, logit, distances, adaptive average pooling, embedding bags).
+
+Linear backward ops are the JAX VJP (:func:`vjp`) of a forward written here as gathers or constant
+matrices: JAX transposes those exactly, and nothing in them needs linearizing. Pointwise backward
+ops follow CPU's formula, including its values at the kinks (``|x| == lambd``) and at zero distance.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from ..dispatch import lowering
+from .linalg import _accumulator
+from .pooling import _adaptive_avg
+
+
+def vjp(forward, cotangent, primal):
+    """The gradient of ``forward`` at ``primal`` along ``cotangent``, computed in float32 for half
+    precision (as CPU's kernels accumulate) and returned in ``primal``'s dtype."""
+    compute = _accumulator(primal.dtype)
+    _, pullback = jax.vjp(forward, primal.astype(compute))
+    return pullback(cotangent.astype(compute))[0].astype(primal.dtype)
+
+
+# --- padding -------------------------------------------------------------------------------------
+
+
+def _source_index(size: int, before: int, after: int, mode: str) -> np.ndarray:
+    """For each position of a padded dim, the input position it copies (negative pads crop)."""
+    position = np.arange(size + before + after) - before
+    if mode == "replicate":
+        return np.clip(position, 0, size - 1)
+    period = 2 * (size - 1)
+    position = np.abs(position) % period if period else np.zeros_like(position)
+    return np.where(position > size - 1, period - position, position)
+
+
+def _pad(x, padding, mode):
+    """``reflection_padNd`` / ``replication_padNd``: ``padding`` pairs start from the last dim."""
+    n = len(padding) // 2
+    for i in range(n):
+        axis = x.ndim - 1 - i
+        x = jnp.take(x, _source_index(x.shape[axis], padding[2 * i], padding[2 * i + 1], mode), axis=axis)
+    return x
+
+
+def _pad_backward(mode):
+    def backward(grad_output, self, padding):
+        return vjp(lambda x: _pad(x, tuple(padding), mode), grad_output, self)
+
+    return backward
+
+
+for _n in (1, 2, 3):
+    for _op, _mode in (("reflection", "reflect"), ("replication", "replicate")):
+        lowering(f"{_op}_pad{_n}d_backward", f"{_op}_pad{_n}d_backward.grad_input")(_pad_backward(_mode))
+
+
+# --- pooling and upsampling ----------------------------------------------------------------------
+
+
+@lowering("_adaptive_avg_pool2d_backward", "_adaptive_avg_pool2d_backward.out")
+def adaptive_avg_pool2d_backward(grad_output, self):
+    return vjp(lambda x: _adaptive_avg(x, grad_output.shape[-2:]), grad_output, self)
+
+
+lowering("adaptive_avg_pool3d_backward.grad_input")(
+    lambda grad_output, self: vjp(lambda x: _adaptive_avg(x, grad_output.shape[-3:]), grad_output, self))
+
+
+@functools.lru_cache(maxsize=256)
+def _bicubic_matrix(size: int, out: int, align_corners: bool, scale) -> np.ndarray:
+    """The (out, size) matrix of CPU's bicubic interpolation along one dim, read off CPU's own kernel
+    applied to the unit vectors (the interpolation is separable and its weights sum to one)."""
+    basis = torch.eye(size, dtype=torch.float64).reshape(size, 1, size, 1)
+    resized = torch.ops.aten.upsample_bicubic2d(basis, [out, 1], align_corners, scale, None)
+    return resized[:, 0, :, 0].T.numpy()
+
+
+@lowering("upsample_bicubic2d_backward", "upsample_bicubic2d_backward.grad_input")
+def upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    compute = _accumulator(grad_output.dtype)
+    rows = _bicubic_matrix(input_size[2], output_size[0], align_corners, scales_h).astype(compute)
+    columns = _bicubic_matrix(input_size[3], output_size[1], align_corners, scales_w).astype(compute)
+    grad = jnp.einsum("ncij,ia,jb->ncab", grad_output.astype(compute), rows, columns,
+                      precision=lax.Precision.HIGHEST)
+    return grad.astype(grad_output.dtype)
+
+
+# --- pointwise -----------------------------------------------------------------------------------
+
+
+@lowering("softshrink_backward", "softshrink_backward.grad_input")
+def softshrink_backward(grad_output, self, lambd):
+    return jnp.where(jnp.abs(self) <= lambd, jnp.zeros((), grad_output.dtype), grad_output)
+
+
+@lowering("hardshrink_backward", "hardshrink_backward.grad_input")
+def hardshrink_backward(grad_out, self, lambd):
+    return jnp.where(jnp.abs(self) <= lambd, jnp.zeros((), grad_out.dtype), grad_out)
+
+
+@lowering("logit_backward", "logit_backward.grad_input")
+def logit_backward(grad_output, self, eps=None):
+    """``grad / (x (1 - x))``; outside ``[eps, 1 - eps]`` zero, or without ``eps`` NaN outside [0, 1]."""
+    compute = _accumulator(self.dtype)
+    x, grad = self.astype(compute), grad_output.astype(compute)
+    result = grad / (x * (1 - x))
+    if eps is None:
+        result = jnp.where((x < 0) | (x > 1), jnp.nan, jnp.where((x == 0) | (x == 1), grad * jnp.inf, result))
+    else:
+        result = jnp.where((x < eps) | (x > 1 - eps), 0, result)
+    return result.astype(self.dtype)
+
+
+# --- distances -----------------------------------------------------------------------------------
+
+
+def _p_norm_grad(diff, dist, p):
+    """d dist / d diff for ``dist = ||diff||_p`` along the last dim, zero where ``dist`` is zero (CPU's rule)."""
+    dist = dist[..., None]
+    safe = jnp.where(dist == 0, 1, dist)
+    if p == 0:
+        grad = jnp.zeros_like(diff)
+    elif p == 1:
+        grad = jnp.sign(diff)
+    elif p == math.inf:
+        grad = jnp.sign(diff) * (jnp.abs(diff) == dist)
+    elif p == 2:
+        grad = diff / safe
+    else:
+        grad = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) / safe ** (p - 1)
+    return jnp.where(dist == 0, 0, grad)
+
+
+@lowering("_cdist_backward", "_cdist_backward.out")
+def cdist_backward(grad, x1, x2, p, cdist):
+    """The gradient of ``cdist(x1, x2, p)`` with respect to ``x1`` (autograd swaps the operands for ``x2``)."""
+    diff = x1[..., :, None, :] - x2[..., None, :, :]
+    return jnp.sum(grad[..., None] * _p_norm_grad(diff, cdist, p), axis=-2).astype(x1.dtype)
+
+
+@lowering("_pdist_backward", "_pdist_backward.out")
+def pdist_backward(grad, self, p, pdist):
+    first, second = np.triu_indices(self.shape[0], 1)
+    pair = grad[:, None] * _p_norm_grad(self[first] - self[second], pdist, p)
+    return jnp.zeros_like(self).at[first].add(pair).at[second].add(-pair)
+
+
+# --- embedding bags ------------------------------------------------------------------------------
+
+
+@lowering("_embedding_bag_dense_backward", "_embedding_bag_dense_backward.out")
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                 scale_grad_by_freq, mode, per_sample_weights=None, padding_idx=-1):
+    """The weight gradient of ``_embedding_bag`` (sum 0, mean 1, max 2), from its forward's outputs."""
+    result = jnp.zeros((num_weights, grad.shape[1]), _accumulator(grad.dtype))
+    if mode == 2:
+        columns = jnp.broadcast_to(jnp.arange(grad.shape[1]), grad.shape)
+        contribution = jnp.where(bag_size[:, None] > 0, grad, 0).astype(result.dtype)
+        return result.at[maximum_indices, columns].add(contribution).astype(grad.dtype)
+    contribution = grad[offset2bag].astype(result.dtype)
+    if per_sample_weights is not None:
+        contribution = contribution * per_sample_weights[:, None].astype(result.dtype)
+    if mode == 1:
+        contribution = contribution / jnp.maximum(bag_size[offset2bag], 1)[:, None].astype(result.dtype)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), result.dtype).at[indices].add(1)
+        contribution = contribution / counts[indices][:, None]
+    contribution = jnp.where((indices != padding_idx)[:, None], contribution, 0)
+    return result.at[indices].add(contribution).astype(grad.dtype)
+
+
+@lowering("_embedding_bag_backward")
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                           scale_grad_by_freq, mode, sparse, per_sample_weights=None, padding_idx=-1):
+    if sparse:
+        raise NotImplementedError("embedding_bag(sparse=True): sparse gradients are not supported on tpu; "
+                                  "use sparse=False")
+    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                        scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lowering("_embedding_bag_per_sample_weights_backward", "_embedding_bag_per_sample_weights_backward.out")
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    """``grad[bag] . weight[index]`` per index (sum mode only, as on CPU); zero for ``padding_idx``."""
+    if mode != 0:
+        raise RuntimeError("embedding_bag_backward: per_sample_weights only supported for mode='sum'")
+    compute = _accumulator(grad.dtype)
+    products = jnp.sum(grad[offset2bag].astype(compute) * weight[indices].astype(compute), axis=1)
+    return jnp.where(indices != padding_idx, products, 0).astype(grad.dtype)
