@@ -198,12 +198,7 @@ def test_compiled_training_step_matches_cpu_eager(cpu_step, name, monkeypatch):
     assert_steps_close(actual, cpu_step(name), rtol=1e-4, atol=1e-5)
 
 
-# A decoder, the MoE experts, the vision tower (convolution, average pooling), an encoder, an encoder-decoder,
-# ViT and a diffusers transformer: the rest repeat these ops, and each model costs seconds of compiling.
-BF16_CASES = ["llama", "qwen3_moe", "gemma3_vision", "bert", "t5", "vit", "sd3"]
-
-
-@pytest.mark.parametrize("name", BF16_CASES)
+@pytest.mark.parametrize("name", list(CASES))
 def test_bfloat16_autocast_training_step_matches_cpu(name):
     model = build(name)
     tpu_model = copy.deepcopy(model).to("tpu")
