@@ -113,7 +113,7 @@ nn.functional.cross_entropy nn.functional.scaled_dot_product_attention nn.functi
 
 # (OpInfo, dtype) -> why its gradient differs from CPU's today (strict xfails), as the sweep explains it.
 GRAD_KNOWN_FAILURES = {key: sweep.GRADIENT_REASONS[key] for key in (
-    ("logcumsumexp", "float32"), ("matrix_exp", "float32"), ("nn.functional.ctc_loss", "float32"),
+    ("matrix_exp", "float32"), ("nn.functional.ctc_loss", "float32"),
     ("sort", "bfloat16"), ("nn.functional.normalize", "bfloat16"))}
 
 

@@ -207,3 +207,19 @@ def test_hash_tensor(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_trace(dtype):
     check_against_cpu(torch.trace, (torch.randn(4, 5) * 3).to(dtype))
+
+
+def test_logcumsumexp_rounds_as_cpu_on_large_values_and_keeps_infinities():
+    """CPU accumulates float32 logcumsumexp in float64: the scan must not drift on large values (its gradient
+    formula subtracts two such scans), and -inf, inf and NaN propagate as on CPU."""
+    torch.manual_seed(0)
+    large = torch.randn(4, 300) * 1e4
+    special = torch.tensor([float("-inf"), float("-inf"), 1.0, float("inf"), 2.0, float("nan"), 3.0])
+    for x in (large, special):
+        check_against_cpu(lambda t: torch.logcumsumexp(t, -1), x, atol=0, rtol=0, equal_nan=True)
+    x = large.requires_grad_()
+    grad = torch.randn(4, 300)
+    (cpu_grad,) = torch.autograd.grad(torch.logcumsumexp(x, -1), x, grad)
+    tpu_x = x.detach().to("tpu").requires_grad_()
+    (tpu_grad,) = torch.autograd.grad(torch.logcumsumexp(tpu_x, -1), tpu_x, grad.to("tpu"))
+    torch.testing.assert_close(tpu_grad.cpu(), cpu_grad)

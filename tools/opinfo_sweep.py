@@ -92,8 +92,6 @@ _TIES = "bfloat16 ties: CPU's order among equal keys differs, so gradients go to
 _GRID = "the grid's gradient jumps at pixel boundaries and bfloat16 coordinates land on either side of them"
 _SPARSE = "sparse layouts are not supported on tpu"
 GRADIENT_REASONS = {
-    ("logcumsumexp", "float32"): "CPU accumulates float32 logcumsumexp in float64; the gradient formula subtracts "
-                                 "two such sums of inputs up to 1e4, so float32 rounding shows (TPUs have no float64)",
     ("matrix_exp", "float32"): "the backward is a matrix_exp of a block matrix: the forward's known difference "
                                "(CPU's float32 result is itself 2.4e-3 off the exact one)",
     ("nn.functional.ctc_loss", "float32"): "CPU's formula subtracts exp(alpha + beta + nll - log_probs) from "

@@ -543,7 +543,34 @@ def logcumsumexp(self, dim):
     x = self.astype(_opmath(out))
     if d is None or self.size == 0:
         return x.astype(out)
-    return lax.associative_scan(jnp.logaddexp, x, axis=d).astype(out)
+    high, low = lax.associative_scan(_log_add_exp_pairs, (x, jnp.zeros_like(x)), axis=d)
+    return (high + low).astype(out)
+
+
+def _two_sum(a, b):
+    """``a + b`` rounded, and its rounding error exactly (Knuth's TwoSum)."""
+    total = a + b
+    b_part = total - a
+    return total, (a - (total - b_part)) + (b - b_part)
+
+
+def _log_add_exp_pairs(a, b):
+    """``log(exp(a) + exp(b))`` of values held as unevaluated sums ``high + low``.
+
+    CPU accumulates float32 ``logcumsumexp`` in float64; carrying each running total's rounding error
+    keeps the scan as accurate without 64-bit floats (which TPUs lack), so results round as CPU's do.
+    """
+    (a_high, a_low), (b_high, b_low) = a, b
+    a_larger = a_high >= b_high
+    top_high, top_low = jnp.where(a_larger, a_high, b_high), jnp.where(a_larger, a_low, b_low)
+    other_high, other_low = jnp.where(a_larger, b_high, a_high), jnp.where(a_larger, b_low, a_low)
+    finite = jnp.isfinite(top_high)
+    gap = jnp.where(finite, (other_high - top_high) + (other_low - top_low), -jnp.inf)
+    total, error = _two_sum(top_high, jnp.log1p(jnp.exp(gap)))
+    high, low = _two_sum(total, error + top_low)
+    nan = jnp.isnan(a_high) | jnp.isnan(b_high)
+    high = jnp.where(nan, jnp.nan, jnp.where(finite, high, top_high))
+    return high, jnp.where(finite & ~nan, low, jnp.zeros((), low.dtype))
 
 
 _SEGMENT_REDUCERS = {"sum": jax.ops.segment_sum, "mean": jax.ops.segment_sum, "prod": jax.ops.segment_prod,
