@@ -115,9 +115,11 @@ def logit_backward(grad_output, self, eps=None):
     x, grad = self.astype(compute), grad_output.astype(compute)
     result = grad / (x * (1 - x))
     if eps is None:
-        result = jnp.where((x < 0) | (x > 1), jnp.nan, jnp.where((x == 0) | (x == 1), grad * jnp.inf, result))
+        nan, inf = (jnp.full((), v, compute) for v in (jnp.nan, jnp.inf))
+        result = jnp.where((x < 0) | (x > 1), nan, jnp.where((x == 0) | (x == 1), grad * inf, result))
     else:
-        result = jnp.where((x < eps) | (x > 1 - eps), 0, result)
+        low, high = (jnp.asarray(v, compute) for v in (eps, 1 - eps))
+        result = jnp.where((x < low) | (x > high), 0, result)
     return result.astype(self.dtype)
 
 

@@ -28,7 +28,12 @@ def _log_add(*terms):
         top = jnp.maximum(top, term)
     shift = jnp.where(jnp.isneginf(top), 0, top)
     total = sum(jnp.exp(term - shift) for term in terms)
-    return jnp.where(total == 0, -jnp.inf, jnp.log(jnp.where(total == 0, 1, total)) + shift)
+    return jnp.where(total == 0, _minus_infinity(top), jnp.log(jnp.where(total == 0, 1, total)) + shift)
+
+
+def _minus_infinity(like):
+    """-inf in ``like``'s dtype (a bare Python float would put a float64 constant in a TPU program)."""
+    return jnp.full((), -jnp.inf, like.dtype)
 
 
 def _extended_targets(targets, target_lengths, blank, width):
@@ -67,14 +72,14 @@ def _forward(log_probs, targets, input_lengths, target_lengths, blank):
     width = extended.shape[1]
     position = np.arange(width)
     neg_inf = jnp.full((batch, width), -jnp.inf, log_probs.dtype)
-    first = jnp.where((position <= 1) & valid, emissions[0], -jnp.inf)
+    first = jnp.where((position <= 1) & valid, emissions[0], _minus_infinity(emissions))
 
     def step(previous, inputs):
         emission, t = inputs
         one_back = jnp.concatenate([neg_inf[:, :1], previous[:, :-1]], axis=1)
-        two_back = jnp.where(skip, jnp.concatenate([neg_inf[:, :2], previous[:, :-2]], axis=1), -jnp.inf)
+        two_back = jnp.where(skip, jnp.concatenate([neg_inf[:, :2], previous[:, :-2]], axis=1), neg_inf)
         current = _log_add(previous, one_back, two_back) + emission
-        current = jnp.where(valid & (t < input_lengths[:, None]), current, -jnp.inf)
+        current = jnp.where(valid & (t < input_lengths[:, None]), current, neg_inf)
         return current, current
 
     if steps > 1:
@@ -82,11 +87,11 @@ def _forward(log_probs, targets, input_lengths, target_lengths, blank):
         alphas = jnp.concatenate([first[None], rest])
     else:
         alphas = first[None]
-    alphas = jnp.where(np.arange(steps)[:, None, None] < input_lengths[None, :, None], alphas, -jnp.inf)
+    alphas = jnp.where(np.arange(steps)[:, None, None] < input_lengths[None, :, None], alphas, _minus_infinity(alphas))
     last = alphas[np.maximum(input_lengths - 1, 0), np.arange(batch)]  # (N, width)
     end = 2 * target_lengths
     final = last[np.arange(batch), end]
-    before = jnp.where(target_lengths > 0, last[np.arange(batch), np.maximum(end - 1, 0)], -jnp.inf)
+    before = jnp.where(target_lengths > 0, last[np.arange(batch), np.maximum(end - 1, 0)], _minus_infinity(last))
     return -_log_add(final, before), jnp.swapaxes(alphas, 0, 1)
 
 
@@ -118,10 +123,11 @@ def _log_beta(emissions, valid, skip, input_lengths, target_lengths):
     def step(following, inputs):
         emission, t = inputs
         one_ahead = jnp.concatenate([following[:, 1:], neg_inf[:, :1]], axis=1)
-        two_ahead = jnp.where(skip_ahead, jnp.concatenate([following[:, 2:], neg_inf], axis=1), -jnp.inf)
+        ahead = jnp.concatenate([following[:, 2:], neg_inf], axis=1)
+        two_ahead = jnp.where(skip_ahead, ahead, _minus_infinity(following))
         current = _log_add(following, one_ahead, two_ahead) + emission
-        current = jnp.where((t == last)[:, None], jnp.where(start, emission, -jnp.inf), current)
-        current = jnp.where(valid & (t <= last)[:, None], current, -jnp.inf)
+        current = jnp.where((t == last)[:, None], jnp.where(start, emission, _minus_infinity(emission)), current)
+        current = jnp.where(valid & (t <= last)[:, None], current, _minus_infinity(current))
         return current, current
 
     initial = jnp.full((batch, width), -jnp.inf, emissions.dtype)

@@ -29,7 +29,7 @@ def _reflect(coordinate, twice_low, twice_high):
     """Mirrors ``coordinate`` into [twice_low / 2, twice_high / 2] (reflections repeat)."""
     if twice_low == twice_high:
         return jnp.zeros_like(coordinate)
-    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    low, span = (jnp.asarray(v, coordinate.dtype) for v in (twice_low / 2, (twice_high - twice_low) / 2))
     distance = jnp.abs(coordinate - low)
     extra = jnp.fmod(distance, span)
     flips = jnp.floor(distance / span)
@@ -61,7 +61,7 @@ def _padded(coordinate, size, padding_mode, align_corners):
     elif padding_mode == _REFLECTION:
         twice = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
         coordinate = _clip(_reflect(coordinate, *twice), size)
-    return jnp.where(jnp.isfinite(coordinate), coordinate, -100.0)
+    return jnp.where(jnp.isfinite(coordinate), coordinate, jnp.asarray(-100.0, coordinate.dtype))
 
 
 def _read(flat_input, sizes, corner):

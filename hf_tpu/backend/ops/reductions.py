@@ -565,11 +565,11 @@ def _log_add_exp_pairs(a, b):
     top_high, top_low = jnp.where(a_larger, a_high, b_high), jnp.where(a_larger, a_low, b_low)
     other_high, other_low = jnp.where(a_larger, b_high, a_high), jnp.where(a_larger, b_low, a_low)
     finite = jnp.isfinite(top_high)
-    gap = jnp.where(finite, (other_high - top_high) + (other_low - top_low), -jnp.inf)
+    gap = jnp.where(finite, (other_high - top_high) + (other_low - top_low), jnp.full((), -jnp.inf, top_high.dtype))
     total, error = _two_sum(top_high, jnp.log1p(jnp.exp(gap)))
     high, low = _two_sum(total, error + top_low)
     nan = jnp.isnan(a_high) | jnp.isnan(b_high)
-    high = jnp.where(nan, jnp.nan, jnp.where(finite, high, top_high))
+    high = jnp.where(nan, jnp.full((), jnp.nan, high.dtype), jnp.where(finite, high, top_high))
     return high, jnp.where(finite & ~nan, low, jnp.zeros((), low.dtype))
 
 

@@ -121,7 +121,7 @@ def mvlgamma(self, p):
 def logit(self, eps=None):
     def fn(x):
         if eps is not None:
-            x = jnp.clip(x, eps, 1 - eps)
+            x = jnp.clip(x, jnp.asarray(eps, x.dtype), jnp.asarray(1 - eps, x.dtype))
         return jnp.log(x / (1 - x))
 
     return _math(fn, _float_result(self), self)
