@@ -349,7 +349,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 torch.get_default_dtype(),  # type promotion of Python floats depends on it
                 order,
                 checks.MODE,
-                tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices]),
+                tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices])
+                if layout_indices else (),
             )
             fn = compile_for(key)
             try:

@@ -1,5 +1,6 @@
 """Backward ops whose forward torch decomposes (padding, bicubic upsampling) or that CPU computes by
-its own formula (shrinkage, logit, distances, adaptive average pooling, embedding bags).
+its own formula (shrinkage, logit, distances, embedding bags), and :func:`vjp`, which the backward
+ops written as the VJP of a forward lowering share.
 
 Linear backward ops are the JAX VJP (:func:`vjp`) of a forward written here as gathers or constant
 matrices: JAX transposes those exactly, and nothing in them needs linearizing. Pointwise backward
@@ -19,15 +20,16 @@ from jax import lax
 
 from ..dispatch import lowering
 from .linalg import _accumulator
-from .pooling import _adaptive_avg
 
 
-def vjp(forward, cotangent, primal):
-    """The gradient of ``forward`` at ``primal`` along ``cotangent``, computed in float32 for half
-    precision (as CPU's kernels accumulate) and returned in ``primal``'s dtype."""
-    compute = _accumulator(primal.dtype)
-    _, pullback = jax.vjp(forward, primal.astype(compute))
-    return pullback(cotangent.astype(compute))[0].astype(primal.dtype)
+def vjp(forward, cotangent, *primals):
+    """The gradient of ``forward`` at ``primals`` along ``cotangent``, computed in float32 for half
+    precision (as CPU's kernels accumulate) and returned in each primal's dtype: one array for one
+    primal, a tuple for several."""
+    compute = _accumulator(primals[0].dtype)
+    _, pullback = jax.vjp(forward, *(p.astype(compute) for p in primals))
+    grads = tuple(g.astype(p.dtype) for g, p in zip(pullback(cotangent.astype(compute)), primals))
+    return grads[0] if len(primals) == 1 else grads
 
 
 # --- padding -------------------------------------------------------------------------------------
@@ -64,16 +66,7 @@ for _n in (1, 2, 3):
         lowering(f"{_op}_pad{_n}d_backward", f"{_op}_pad{_n}d_backward.grad_input")(_pad_backward(_mode))
 
 
-# --- pooling and upsampling ----------------------------------------------------------------------
-
-
-@lowering("_adaptive_avg_pool2d_backward", "_adaptive_avg_pool2d_backward.out")
-def adaptive_avg_pool2d_backward(grad_output, self):
-    return vjp(lambda x: _adaptive_avg(x, grad_output.shape[-2:]), grad_output, self)
-
-
-lowering("adaptive_avg_pool3d_backward.grad_input")(
-    lambda grad_output, self: vjp(lambda x: _adaptive_avg(x, grad_output.shape[-3:]), grad_output, self))
+# --- upsampling ----------------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=256)
@@ -98,14 +91,11 @@ def upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corn
 # --- pointwise -----------------------------------------------------------------------------------
 
 
-@lowering("softshrink_backward", "softshrink_backward.grad_input")
-def softshrink_backward(grad_output, self, lambd):
+@lowering("softshrink_backward", "softshrink_backward.grad_input", "hardshrink_backward",
+          "hardshrink_backward.grad_input")
+def shrink_backward(grad_output, self, lambd):
+    """Both shrinkages pass the gradient where ``|x| > lambd`` and stop it elsewhere (the kink included)."""
     return jnp.where(jnp.abs(self) <= lambd, jnp.zeros((), grad_output.dtype), grad_output)
-
-
-@lowering("hardshrink_backward", "hardshrink_backward.grad_input")
-def hardshrink_backward(grad_out, self, lambd):
-    return jnp.where(jnp.abs(self) <= lambd, jnp.zeros((), grad_out.dtype), grad_out)
 
 
 @lowering("logit_backward", "logit_backward.grad_input")

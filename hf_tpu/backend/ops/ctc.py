@@ -142,12 +142,9 @@ def _collect(log_alpha_beta, extended, classes):
     collected = jnp.full((steps, batch, classes), -jnp.inf, log_alpha_beta.dtype)
     rows = np.arange(batch)
     for s in range(width):
-        term = log_alpha_beta[:, :, s]
-        current = collected[:, rows, extended[:, s]]
-        top = jnp.maximum(current, term)
-        shift = jnp.where(jnp.isneginf(top), 0, top)
-        summed = jnp.log(jnp.exp(current - shift) + jnp.exp(term - shift)) + shift
-        collected = collected.at[:, rows, extended[:, s]].set(jnp.where(jnp.isneginf(current), term, summed))
+        classes_at_s = extended[:, s]
+        collected = collected.at[:, rows, classes_at_s].set(
+            _log_add(collected[:, rows, classes_at_s], log_alpha_beta[:, :, s]))
     return collected
 
 
@@ -156,8 +153,9 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
                       blank, zero_infinity=False):
     unbatched = log_probs.ndim == 2
     batched, targets = _batched(log_probs, targets)
-    extended, emissions, valid, skip, lengths, _ = _lattice(batched, targets, input_lengths, target_lengths, blank)
-    betas = _log_beta(emissions, valid, skip, lengths, np.asarray(target_lengths, np.int64))
+    extended, emissions, valid, skip, lengths, target_lengths = _lattice(
+        batched, targets, input_lengths, target_lengths, blank)
+    betas = _log_beta(emissions, valid, skip, lengths, target_lengths)
     alphas = jnp.swapaxes(log_alpha[None] if unbatched else log_alpha, 0, 1)
     collected = _collect(alphas + betas, extended, batched.shape[2])
     nll = jnp.reshape(neg_log_likelihood, (1, -1, 1))

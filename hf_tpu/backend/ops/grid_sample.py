@@ -5,8 +5,8 @@ maps -1 and 1 to the centres (True) or the outer edges (False) of the corner pix
 reads 0 outside, ``border`` clamps and ``reflection`` mirrors the coordinates at the borders.
 Non-finite coordinates read as outside, except that border and reflection padding clamp NaN to the far
 border, as CPU's clamp does. As in torch's CPU kernel, the arithmetic runs in the input's dtype
-(bfloat16 too), weights and sums in CPU's order. The 2-D forward with bicubic interpolation runs as
-torch's decomposition; the backward ops are the VJP of the bilinear and nearest samplers here.
+(bfloat16 too), weights and sums in CPU's order; bicubic (2-D only) reads 4 x 4 taps, padding each
+tap, as CPU does. The backward ops are the VJP of these samplers.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import functools
 import itertools
 import operator
 
-import jax
 import jax.numpy as jnp
 
 from ..dispatch import lowering
-from .linalg import _accumulator
+from .backward import vjp
 
 _BILINEAR, _NEAREST, _BICUBIC = range(3)
 _ZEROS, _BORDER, _REFLECTION = range(3)
@@ -153,11 +152,8 @@ def grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners):
 def grid_sampler_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
     """Gradients of the sampled values with respect to ``input`` and ``grid`` (float32 for half precision)."""
     _check_modes(interpolation_mode, padding_mode, input.ndim - 2)
-    compute = _accumulator(input.dtype)
-    _, pullback = jax.vjp(lambda x, g: _grid_sample(x, g, interpolation_mode, padding_mode, align_corners),
-                          input.astype(compute), grid.astype(compute))
-    grad_input, grad_grid = pullback(grad_output.astype(compute))
-    return grad_input.astype(input.dtype), grad_grid.astype(grid.dtype)
+    return vjp(lambda x, g: _grid_sample(x, g, interpolation_mode, padding_mode, align_corners), grad_output,
+               input, grid)
 
 
 lowering("grid_sampler_2d_backward", "grid_sampler_2d_backward.out",

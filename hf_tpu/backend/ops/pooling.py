@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from ..dispatch import lowering
+from .backward import vjp
 from .linalg import _accumulator
 
 
@@ -83,14 +84,8 @@ def _listed(value):
 
 def _avg_pool_backward(n):
     def backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-        compute = _accumulator(self.dtype)
-
-        def forward(x):
-            return _avg_pool(x, kernel_size, stride, _listed(padding), ceil_mode, count_include_pad,
-                             divisor_override, n)
-
-        _, vjp = jax.vjp(forward, self.astype(compute))
-        return vjp(grad_output.astype(compute))[0].astype(self.dtype)
+        return vjp(lambda x: _avg_pool(x, kernel_size, stride, _listed(padding), ceil_mode, count_include_pad,
+                                       divisor_override, n), grad_output, self)
 
     return backward
 
@@ -126,11 +121,17 @@ def adaptive_avg_pool3d(self, output_size):
     return _adaptive_avg(self, tuple(output_size))
 
 
-@lowering("_adaptive_avg_pool3d_backward", "_adaptive_avg_pool3d_backward.out")
-def adaptive_avg_pool3d_backward(grad_output, self):
-    compute = _accumulator(self.dtype)
-    _, vjp = jax.vjp(lambda x: _adaptive_avg(x, grad_output.shape[-3:]), self.astype(compute))
-    return vjp(grad_output.astype(compute))[0].astype(self.dtype)
+def _adaptive_avg_pool_backward(n):
+    def backward(grad_output, self):
+        return vjp(lambda x: _adaptive_avg(x, grad_output.shape[-n:]), grad_output, self)
+
+    return backward
+
+
+# The 2-d one is also behind interpolate(mode="area").
+lowering("_adaptive_avg_pool2d_backward", "_adaptive_avg_pool2d_backward.out")(_adaptive_avg_pool_backward(2))
+lowering("_adaptive_avg_pool3d_backward", "_adaptive_avg_pool3d_backward.out",
+         "adaptive_avg_pool3d_backward.grad_input")(_adaptive_avg_pool_backward(3))
 
 
 def _adaptive_max(x, output_size):
@@ -262,8 +263,8 @@ def _upsample_linear(x, output_size, align_corners, scales):
 
 
 def _backward_of(forward, grad_output, input_size):
-    _, vjp = jax.vjp(forward, jnp.zeros(tuple(input_size), grad_output.dtype))
-    return vjp(grad_output)[0]
+    _, pullback = jax.vjp(forward, jnp.zeros(tuple(input_size), grad_output.dtype))
+    return pullback(grad_output)[0]
 
 
 def _nearest(exact):
