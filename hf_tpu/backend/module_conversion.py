@@ -1,11 +1,15 @@
-"""Moving modules to and from tpu: ``Module.to`` / ``.cpu()`` / ``.tpu()`` keep parameters the same objects.
+"""Moving tensors and modules to and from tpu while keeping their Python objects.
 
-Between two devices of the same kind (CPU and CUDA, or two tpu chips, or a dtype change on tpu) torch
-replaces a parameter's contents with ``param.data = moved``. A tpu ``TensorImpl`` and a CPU one are
-not "shallow-copy compatible" for torch, so ``.data`` cannot cross between them, and torch's fallback
-would make new ``Parameter`` objects, untying tied weights (``lm_head``/``embed_tokens``). Instead
-these patches swap the Python objects' contents (``torch.utils.swap_tensors``), keeping identity and
-ties. A swap needs the parameter's ``TensorImpl`` to be referenced by nothing else; one that a live
+``tensor.data = other`` works between tpu and another kind of device, as between CUDA and CPU;
+``Module.to`` / ``.cpu()`` / ``.tpu()`` keep parameters the same objects.
+
+Between two devices of the same kind (CPU and CUDA, or two tpu chips, or a dtype change) torch
+replaces a tensor's contents in place with ``tensor.data = moved``. A tpu ``TensorImpl`` and a CPU one
+are not "shallow-copy compatible" for torch, so it refuses ``.data`` between them, and ``Module._apply``
+would make new ``Parameter`` objects, untying tied weights (``lm_head``/``embed_tokens``). Here
+``Tensor.data``'s setter gives the Python object a new ``TensorImpl`` over the moved storage instead
+(``torch._C._swap_tensor_impl``), keeping identity, ties, hooks and attributes, and ``Module.to`` uses
+it. That needs the old ``TensorImpl`` to be referenced by nothing else; a parameter that a live
 autograd graph still holds (a forward ran, its output is alive) is left with that graph untouched, and
 the module gets a new ``Parameter`` instead, as torch does when neither ``.data`` nor a swap applies.
 """
@@ -20,6 +24,47 @@ import torch
 _module_to = torch.nn.Module.to
 _module_cpu = torch.nn.Module.cpu
 _swap_tensors = torch.utils.swap_tensors
+_tensor_data = torch._C.TensorBase.data
+
+
+def _get_data(self: torch.Tensor) -> torch.Tensor:
+    return _tensor_data.__get__(self)
+
+
+def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
+    """``self.data = new``. torch replaces the contents of ``self``'s ``TensorImpl`` in place, which it
+    refuses between a tpu and a CPU ``TensorImpl``; there ``self``'s Python object is given a new
+    ``TensorImpl`` over ``new``'s storage instead, keeping the object, its ``requires_grad``, its hooks,
+    its attributes and its gradient (moved and cast along), which is what ``.data`` keeps on CUDA."""
+    if (
+        not isinstance(new, torch.Tensor)
+        or torch._has_compatible_shallow_copy_type(self, new)
+        or "tpu" not in (self.device.type, new.device.type)
+    ):
+        _tensor_data.__set__(self, new)
+        return
+    if self.grad_fn is not None:
+        raise RuntimeError(
+            f"Cannot set .data of a non-leaf tensor across devices ({self.device} to {new.device}): "
+            "move a leaf tensor instead, or use .to() to make a new tensor."
+        )
+    if self._use_count() != 1:
+        raise RuntimeError(
+            f"Cannot move .data from {self.device} to {new.device} while an autograd graph still uses this "
+            "tensor: torch cannot change a tensor's device in place, and the graph would accumulate its gradient "
+            "into the old one. Run the forward under torch.no_grad(), or move the tensor before the forward or "
+            "after the backward."
+        )
+    replacement = new.detach()
+    grad, hooks, post_hooks = self.grad, self._backward_hooks, self._post_accumulate_grad_hooks
+    replacement.requires_grad_(self.requires_grad)
+    torch._C._swap_tensor_impl(self, replacement)
+    if grad is not None:
+        self.grad = grad.to(new.device, new.dtype)
+    if hooks is not None:
+        self._backward_hooks = hooks  # registers them with the new TensorImpl
+    if post_hooks is not None:
+        self._post_accumulate_grad_hooks = post_hooks
 
 
 def _holds_tpu_tensors(module: torch.nn.Module) -> bool:
@@ -29,15 +74,9 @@ def _holds_tpu_tensors(module: torch.nn.Module) -> bool:
 
 
 def _replace_contents(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """What ``Module._apply`` calls as ``torch.utils.swap_tensors`` during a tpu conversion: ``.data``
-    where torch allows it (the CUDA behaviour: autograd graphs that saved the tensor stay valid), a swap
-    that keeps the Python attributes (``param.data = ...`` keeps them on CUDA) otherwise."""
-    if torch._has_compatible_shallow_copy_type(t1, t2):
-        t1.data = t2
-        return
-    for name, value in vars(t1).items():
-        vars(t2).setdefault(name, value)
-    _swap_tensors(t1, t2)
+    """What ``Module._apply`` calls as ``torch.utils.swap_tensors`` during a tpu conversion: ``.data``,
+    which across devices keeps the parameter object too (:func:`_set_data`)."""
+    t1.data = t2
 
 
 def _swappable(tensor: torch.Tensor) -> bool:
@@ -86,6 +125,8 @@ def _converting(module: torch.nn.Module, device: torch.device | None):
 
 
 def install() -> None:
+    torch.Tensor.data = property(_get_data, _set_data, doc=_tensor_data.__doc__)
+
     def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if (device is not None and device.type == "tpu") or _holds_tpu_tensors(self):

@@ -22,6 +22,7 @@ INTEGRATIONS: dict[str, str] = {
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
     "diffusers.utils.torch_utils": "diffusers",
+    "safetensors": "safetensors",
 }
 
 

@@ -43,11 +43,14 @@ def _get_max_memory(original: Callable[..., dict]) -> Callable[..., dict]:
             return {**chips, **result}
         from accelerate.utils import convert_file_size_to_int
 
+        for key, size in max_memory.items():  # in place, as accelerate does: transformers compares the sizes after
+            if isinstance(size, str):
+                max_memory[key] = convert_file_size_to_int(size)
         chips = {}
         for index, size in sorted((k, v) for k, v in max_memory.items() if isinstance(k, int)):
             if not 0 <= index < torch.tpu.device_count():
                 raise ValueError(f"max_memory names tpu:{index}, but there are {torch.tpu.device_count()} tpu chips")
-            chips[index] = convert_file_size_to_int(size) if isinstance(size, str) else size
+            chips[index] = size
         others = original({key: value for key, value in max_memory.items() if not isinstance(key, int)})
         return {**chips, **others}
 

@@ -82,9 +82,11 @@ def convolution_backward(grad_output, input, weight, stride, padding, dilation, 
     if output_mask[2]:
         axes = (0,) + tuple(range(2, grad_output.ndim))
         grad_bias = jnp.sum(grad_output.astype(accumulator), axis=axes).astype(grad_output.dtype)
+    # Gradients in grad_output's dtype, the forward's (input and weight share it): a weight that diffusers' layerwise
+    # casting re-stored in float8 with `.data` after its forward gets a float32 gradient, not one rounded to float8.
     return (
-        grad_input.astype(input.dtype) if output_mask[0] else None,
-        grad_weight.astype(weight.dtype) if output_mask[1] else None,
+        grad_input.astype(grad_output.dtype) if output_mask[0] else None,
+        grad_weight.astype(grad_output.dtype) if output_mask[1] else None,
         grad_bias,
     )
 
