@@ -224,6 +224,12 @@ report["context"] = [str(inside.device), torch.tpu.current_device()]
 moved = inside.to("tpu:1")
 report["cross_chip"] = [str(moved.device), moved.cpu().tolist(),
                         torch.empty(3, device="tpu:0").copy_(moved).cpu().tolist()]
+param = torch.nn.Parameter(torch.arange(3.0, device="tpu:0"))
+param.data = param.data.to("tpu:1")
+report["data_between_chips"] = [str(param.device), type(param).__name__, (param * 2).cpu().tolist()]
+param.data = param.data.cpu()
+param.data = param.data.to("tpu:3")
+report["data_through_host"] = str(param.device)
 from hf_tpu.backend import runtime, storage
 on_chip_3 = {
     "to": host.to("tpu:3"),
@@ -273,6 +279,11 @@ def test_bare_tpu_means_the_current_chip(four_chip_report):
 
 def test_copies_between_chips(four_chip_report):
     assert four_chip_report["cross_chip"] == ["tpu:1", [0.0, 1.0, 2.0], [0.0, 1.0, 2.0]]
+
+
+def test_data_moves_parameters_between_chips(four_chip_report):
+    assert four_chip_report["data_between_chips"] == ["tpu:1", "Parameter", [0.0, 2.0, 4.0]]
+    assert four_chip_report["data_through_host"] == "tpu:3"
 
 
 def test_device_data_lives_on_the_tensors_chip(four_chip_report):

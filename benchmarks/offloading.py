@@ -1,0 +1,121 @@
+"""Offloading on tpu: peak device memory and step time of each way of fitting a model, side by side in one process.
+
+A diffusers SD3Transformer2DModel built from a config (hidden 384, 6 joint layers, ~85 MB of float32 weights;
+no downloads), one denoising forward on a 32x32 latent (256 tokens) with a 32-token text. Each variant runs the
+same forward from the same weights:
+
+- fully on the chip (the reference);
+- diffusers group offloading, block level (one transformer block per group) and leaf level, without and with a
+  transfer stream (``use_stream=True``: the next group is copied while the current one computes);
+- diffusers layerwise casting (weights stored in float8 on the chip, computed in float32);
+- accelerate's ``cpu_offload`` (every module's weights copied to the chip for its forward).
+
+Peak memory is ``torch.tpu.max_memory_allocated`` over one forward (peak statistics reset first; weights that
+stay on the chip count), as a fraction of the fully loaded model's. Times are the best of several forwards after
+a warm-up, each ending with the output on the host, and are compared with the model on the chip.
+
+    python benchmarks/offloading.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+
+
+def transformer():
+    import diffusers
+
+    torch.manual_seed(0)
+    return diffusers.SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=6, attention_head_dim=64,
+        num_attention_heads=6, caption_projection_dim=384, joint_attention_dim=384, pooled_projection_dim=256,
+    ).eval()
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return dict(
+        hidden_states=torch.randn(1, 16, 32, 32, generator=generator),
+        encoder_hidden_states=torch.randn(1, 32, 384, generator=generator),
+        pooled_projections=torch.randn(1, 256, generator=generator),
+        timestep=torch.tensor([500.0]),
+    )
+
+
+def group_offload(**options) -> Callable[[torch.nn.Module], None]:
+    return lambda model: model.enable_group_offload(onload_device=torch.device("tpu"), **options)
+
+
+def layerwise_casting(model: torch.nn.Module) -> None:
+    model.to("tpu").enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+
+
+def accelerate_cpu_offload(model: torch.nn.Module) -> None:
+    import accelerate
+
+    accelerate.cpu_offload(model, execution_device=torch.device("tpu"))
+
+
+VARIANTS: list[tuple[str, Callable[[torch.nn.Module], None]]] = [
+    ("on chip", lambda model: model.to("tpu")),
+    ("group block", group_offload(offload_type="block_level", num_blocks_per_group=1)),
+    ("group block+stream", group_offload(offload_type="block_level", num_blocks_per_group=1, use_stream=True)),
+    ("group leaf", group_offload(offload_type="leaf_level")),
+    ("group leaf+stream", group_offload(offload_type="leaf_level", use_stream=True)),
+    ("layerwise fp8", layerwise_casting),
+    ("accelerate cpu_offload", accelerate_cpu_offload),
+]
+
+
+def measure(prepare: Callable[[torch.nn.Module], None], weights: dict, repeats: int) -> tuple[float, float, torch.Tensor]:
+    """(peak device bytes of one forward, best forward ms, output) of a fresh model prepared by ``prepare``."""
+    model = transformer()
+    model.load_state_dict(weights)
+    prepare(model)
+    on_tpu = {name: value.to("tpu") for name, value in inputs().items()}
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            output = model(**on_tpu).sample.cpu()
+        torch.tpu.synchronize()
+        return output
+
+    output = forward()  # compiles every op once
+    torch.tpu.reset_peak_memory_stats()
+    forward()
+    peak = torch.tpu.max_memory_allocated()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        forward()
+        best = min(best, time.perf_counter() - start)
+    return peak, best * 1e3, output
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    repeats = parser.parse_args().repeats
+    weights = transformer().state_dict()
+    megabytes = sum(v.numel() * v.element_size() for v in weights.values()) / 2**20
+    print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
+    print(f"SD3 transformer, {megabytes:.1f} MB of float32 weights; one forward, 256 image + 32 text tokens\n")
+    print(f"{'variant':<24} {'peak MB':>9} {'/ on chip':>10} {'ms':>9} {'/ on chip':>10} {'max |diff|':>11}")
+    reference = None
+    for name, prepare in VARIANTS:
+        peak, milliseconds, output = measure(prepare, weights, repeats)
+        if reference is None:
+            reference = (peak, milliseconds, output)
+        difference = (output - reference[2]).abs().max().item()
+        print(f"{name:<24} {peak / 2**20:9.1f} {peak / reference[0]:9.2f}x {milliseconds:9.1f} "
+              f"{milliseconds / reference[1]:9.2f}x {difference:11.2e}")
+
+
+if __name__ == "__main__":
+    main()
