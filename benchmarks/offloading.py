@@ -10,6 +10,10 @@ same forward from the same weights:
 - diffusers layerwise casting (weights stored in float8 on the chip, computed in float32);
 - accelerate's ``cpu_offload`` (every module's weights copied to the chip for its forward).
 
+Then a transformers LlamaForCausalLM (hidden 512, 8 layers, ~100 MB), one forward over 64 tokens: fully on the
+chip, ``device_map="auto"`` with ``max_memory`` of half the model (the other layers on the host, copied to the
+chip for their forward by accelerate's hooks), and the same plan with the host's layers on disk (``offload_folder``).
+
 Peak memory is ``torch.tpu.max_memory_allocated`` over one forward (peak statistics reset first; weights that
 stay on the chip count), as a fraction of the fully loaded model's. Times are the best of several forwards after
 a warm-up, each ending with the output on the host, and are compared with the model on the chip.
@@ -20,6 +24,7 @@ a warm-up, each ending with the output on the host, and are compared with the mo
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from typing import Callable
 
@@ -73,16 +78,13 @@ VARIANTS: list[tuple[str, Callable[[torch.nn.Module], None]]] = [
 ]
 
 
-def measure(prepare: Callable[[torch.nn.Module], None], weights: dict, repeats: int) -> tuple[float, float, torch.Tensor]:
-    """(peak device bytes of one forward, best forward ms, output) of a fresh model prepared by ``prepare``."""
-    model = transformer()
-    model.load_state_dict(weights)
-    prepare(model)
-    on_tpu = {name: value.to("tpu") for name, value in inputs().items()}
+def measure(model: torch.nn.Module, on_tpu: dict, repeats: int) -> tuple[float, float, torch.Tensor]:
+    """(peak device bytes of one forward, best forward ms, output) of ``model`` on the inputs ``on_tpu``."""
+    gc.collect()  # offloading hooks and modules refer to each other: free the previous variant's weights first
 
     def forward() -> torch.Tensor:
         with torch.no_grad():
-            output = model(**on_tpu).sample.cpu()
+            output = model(**on_tpu)[0].cpu()
         torch.tpu.synchronize()
         return output
 
@@ -98,23 +100,65 @@ def measure(prepare: Callable[[torch.nn.Module], None], weights: dict, repeats: 
     return peak, best * 1e3, output
 
 
+def print_table(title: str, rows: list[tuple[str, tuple[float, float, torch.Tensor]]]) -> None:
+    print(f"{title}\n")
+    print(f"{'variant':<24} {'peak MB':>9} {'/ on chip':>10} {'ms':>9} {'/ on chip':>10} {'max |diff|':>11}")
+    peak_on_chip, milliseconds_on_chip, reference = rows[0][1]
+    for name, (peak, milliseconds, output) in rows:
+        difference = (output - reference).abs().max().item()
+        print(f"{name:<24} {peak / 2**20:9.1f} {peak / peak_on_chip:9.2f}x {milliseconds:9.1f} "
+              f"{milliseconds / milliseconds_on_chip:9.2f}x {difference:11.2e}")
+    print()
+
+
+def diffusers_rows(repeats: int) -> tuple[float, list]:
+    weights = transformer().state_dict()
+    on_tpu = {name: value.to("tpu") for name, value in inputs().items()}
+    rows = []
+    for name, prepare in VARIANTS:
+        model = transformer()
+        model.load_state_dict(weights)
+        prepare(model)
+        rows.append((name, measure(model, on_tpu, repeats)))
+    return sum(v.numel() * v.element_size() for v in weights.values()), rows
+
+
+def transformers_rows(repeats: int, folder: str) -> tuple[float, list]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    size = sum(p.numel() * p.element_size() for p in transformers.LlamaForCausalLM(config).parameters())
+    on_tpu = dict(input_ids=torch.randint(0, 1024, (1, 64), generator=torch.Generator().manual_seed(0)).to("tpu"))
+    rows = []
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="tpu")
+    rows.append(("on chip", measure(model, on_tpu, repeats)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map="auto",
+                                                              max_memory={0: size // 2, "cpu": "4GB"})
+    rows.append(("max_memory half", measure(model, on_tpu, repeats)))
+    on_disk = {name: "disk" if place == "cpu" else place for name, place in model.hf_device_map.items()}
+    del model
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, device_map=on_disk,
+                                                              offload_folder=f"{folder}/offload")
+    rows.append(("same plan, disk", measure(model, on_tpu, repeats)))
+    return size, rows
+
+
 def main() -> None:
+    import tempfile
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     repeats = parser.parse_args().repeats
-    weights = transformer().state_dict()
-    megabytes = sum(v.numel() * v.element_size() for v in weights.values()) / 2**20
-    print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
-    print(f"SD3 transformer, {megabytes:.1f} MB of float32 weights; one forward, 256 image + 32 text tokens\n")
-    print(f"{'variant':<24} {'peak MB':>9} {'/ on chip':>10} {'ms':>9} {'/ on chip':>10} {'max |diff|':>11}")
-    reference = None
-    for name, prepare in VARIANTS:
-        peak, milliseconds, output = measure(prepare, weights, repeats)
-        if reference is None:
-            reference = (peak, milliseconds, output)
-        difference = (output - reference[2]).abs().max().item()
-        print(f"{name:<24} {peak / 2**20:9.1f} {peak / reference[0]:9.2f}x {milliseconds:9.1f} "
-              f"{milliseconds / reference[1]:9.2f}x {difference:11.2e}")
+    print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}\n")
+    size, rows = diffusers_rows(repeats)
+    print_table(f"diffusers SD3 transformer, {size / 2**20:.1f} MB of float32 weights; one forward, "
+                "256 image + 32 text tokens", rows)
+    with tempfile.TemporaryDirectory() as folder:
+        size, rows = transformers_rows(repeats, folder)
+    print_table(f"transformers Llama, {size / 2**20:.1f} MB of float32 weights; one forward over 64 tokens", rows)
 
 
 if __name__ == "__main__":
