@@ -14,5 +14,14 @@ from .backend import register
 
 _load()
 
-__all__ = ["register"]
+
+def __getattr__(name: str) -> object:
+    if name == "export":  # ahead-of-time packages, imported at first use (they import JAX)
+        import importlib
+
+        return importlib.import_module(".export", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["export", "register"]
 __version__ = "0.1.0"

@@ -51,16 +51,22 @@ _codes: dict[tuple[type, str], int] = {}
 _messages_lock = threading.Lock()
 
 
-def _code(error: type, message: str) -> int:
+def code(error: type, message: str) -> int:
+    """The code of a message template (numbered in this process at first use)."""
     key = (error, message)
-    code = _codes.get(key)
-    if code is None:
+    number = _codes.get(key)
+    if number is None:
         with _messages_lock:
-            code = _codes.get(key)
-            if code is None:
-                code = _codes[key] = len(_messages)
+            number = _codes.get(key)
+            if number is None:
+                number = _codes[key] = len(_messages)
                 _messages.append(key)
-    return code
+    return number
+
+
+def messages() -> tuple[tuple[type, str], ...]:
+    """Every message template by code (code 0: nothing failed), as this process's programs number them."""
+    return tuple(_messages)
 
 
 _tracing = threading.local()
@@ -71,7 +77,7 @@ def require(ok: Any, error: type, message: str, value: Any = 0) -> None:
     sync; ``{}`` in ``message`` becomes ``value`` (a traced integer, e.g. the offending index)."""
     collected = getattr(_tracing, "collected", None)
     if collected is not None:
-        collected.append((ok, _code(error, message), value))
+        collected.append((ok, code(error, message), value))
 
 
 @contextlib.contextmanager

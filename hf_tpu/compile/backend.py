@@ -17,7 +17,7 @@ from .stats import count
 
 
 @functools.cache
-def _decompositions() -> dict[Any, Callable]:
+def decompositions() -> dict[Any, Callable]:
     """torch's decompositions of the ops that have no lowering, as eager mode's fallback uses them."""
     lowered = graph_lowering.lowered_ops()
     return {
@@ -55,7 +55,7 @@ def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list) -> C
     backend = aot_autograd(
         fw_compiler=_lower,
         bw_compiler=_lower,
-        decompositions=_decompositions(),
+        decompositions=decompositions(),
         keep_inference_input_mutations=True,
     )
     return backend(graph_module, example_inputs)

@@ -261,6 +261,29 @@ class CompiledGraph:
         self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
         count("graphs")
 
+    @property
+    def output_layouts(self) -> list[tuple[int, ...] | None]:
+        """Per tensor output, the memory order (dims from outermost to innermost) in which the program
+        returns it when it is dense but not contiguous, else ``None``."""
+        return self._layouts
+
+    def pure_function(self, static_values: tuple = ()) -> Callable[..., tuple]:
+        """For ahead-of-time export (:mod:`hf_tpu.export`): the graph as a JAX function of its tensor inputs,
+        given its non-tensor inputs, returning (tensor outputs as :attr:`output_layouts` says, new values of
+        mutated inputs, combined check or ``None``); the graph's constants are folded in.
+
+        Raises ``NotImplementedError`` if the graph has random ops: they draw from the device's random
+        stream at each run, which a program saved ahead of time cannot do.
+        """
+        if self._random_nodes:
+            names = ", ".join(sorted({node.target.name() for node in self._random_nodes}))
+            raise NotImplementedError(
+                f"random operators ({names}) cannot be part of a program saved ahead of time: they draw from the "
+                "device's random stream at each run; export the model in eval mode (model.eval()) so that dropout "
+                "is off")
+        constants = [_read(constant, 0) for constant in self._constants]
+        return lambda *arrays: self._trace(static_values, None, *arrays, *constants)
+
     def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:
         """The XLA executable for these inputs, and the sizes among the results: built once per input
         signature and donation pattern.

@@ -228,3 +228,24 @@ def index_put(self, indices, values, accumulate=False, unsafe=False):
     if any(index.dtype in (jnp.bool_, jnp.uint8) for index in present):
         raise NotImplementedError("tpu graph mode: aten::index_put with a boolean mask and several values")
     return LOWERINGS["_unsafe_index_put"].fn(self, indices, values, accumulate)
+
+
+# --- ops of torch.export's graphs -----------------------------------------------------------------
+# torch.export traces below autograd, where the device's own kernel of scaled_dot_product_attention is
+# not reached, and records metadata checks: both survive its decompositions (see hf_tpu.export).
+
+
+@graph_lowering("_assert_tensor_metadata")
+def assert_tensor_metadata(a, size=None, stride=None, dtype=None, device=None, layout=None):
+    """Nothing to run: the traced value has the static shape and dtype the check states."""
+    return None
+
+
+@graph_lowering("scaled_dot_product_attention")
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """The fused attention the device's eager kernel runs."""
+    if dropout_p != 0:
+        raise NotImplementedError("tpu graph mode: aten::scaled_dot_product_attention with dropout_p > 0 (random)")
+    fused = LOWERINGS["_scaled_dot_product_fused_attention_overrideable"].fn
+    return fused(query, key, value, attn_mask, 0.0, is_causal, False, scale)[0]

@@ -22,6 +22,7 @@ INTEGRATIONS: dict[str, str] = {
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
     "diffusers.utils.torch_utils": "diffusers",
+    "torch._inductor": "inductor",  # ahead-of-time compilation: tpu programs go to hf_tpu.export
     "safetensors": "safetensors",
 }
 
