@@ -26,6 +26,7 @@ from conftest import tiny_llama, to_tpu
 from hf_tpu.backend import runtime
 from hf_tpu.integrations import inductor
 from test_diffusers_pipelines import tiny_flux_transformer, tiny_unet
+from test_training_models import flux_batch
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
@@ -42,14 +43,9 @@ def _unet_inputs() -> tuple[dict, dict]:
 
 
 def _flux_inputs() -> tuple[dict, dict]:
-    """An 8x8 latent packed into 64 tokens, 6 text tokens, with Flux's (0, row, column) position ids."""
-    generator = torch.Generator().manual_seed(1)
-    rows, columns = torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="ij")
-    image_ids = torch.stack([torch.zeros(8, 8), rows, columns], dim=-1).reshape(64, 3)
-    return dict(hidden_states=torch.randn(2, 64, 4, generator=generator), timestep=torch.tensor([0.01, 0.5]),
-                encoder_hidden_states=torch.randn(2, 6, 32, generator=generator),
-                pooled_projections=torch.randn(2, 32, generator=generator), img_ids=image_ids,
-                txt_ids=torch.zeros(6, 3)), {}
+    batch = flux_batch()
+    del batch["target"]
+    return batch, {}
 
 
 # model builder, inputs (tensors and other keyword arguments), the output compared

@@ -102,7 +102,7 @@ def _sd3_batch() -> Batch:
                 target=torch.randn(2, 4, 8, 8, generator=generator))
 
 
-def _flux_batch() -> Batch:
+def flux_batch() -> Batch:
     """An 8x8 latent packed into 64 tokens, 6 text tokens, with Flux's (0, row, column) position ids."""
     generator = torch.Generator().manual_seed(1)
     rows, columns = torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="ij")
@@ -119,7 +119,7 @@ CASES: dict[str, Case] = {
     "gemma3_vision": Case(_gemma3_with_vision, _gemma3_image_batch, _lm_loss),
     "unet": Case(tiny_unet, _unet_batch, _mse_loss),
     "sd3": Case(tiny_sd3_transformer, _sd3_batch, _mse_loss),
-    "flux": Case(tiny_flux_transformer, _flux_batch, _mse_loss),
+    "flux": Case(tiny_flux_transformer, flux_batch, _mse_loss),
 }
 
 
