@@ -16,7 +16,8 @@ import torch
 
 from ..compile.stats import compile_stats, reset_compile_stats  # noqa: F401  (torch.tpu.compile_stats)
 from . import allocator as _stats
-from . import random_state, runtime
+from . import random_state, runtime, streams
+from .streams import Event, Stream, StreamContext, current_stream, default_stream, set_stream, stream  # noqa: F401
 
 _local = threading.local()
 _initialized = False
@@ -148,13 +149,14 @@ class device(contextlib.ContextDecorator):
 
 
 def synchronize(device: Any = None) -> None:
-    """Waits until every computation queued on the device has finished."""
+    """Waits until every computation and copy queued on the device, on every stream, has finished."""
     from . import checks, storage
     from .guard import check_not_forked
     from .out_of_memory import raise_if_out_of_memory
 
     check_not_forked()
     index = _index(device)
+    streams.wait_for_copies(index)
     try:
         storage.wait_for_pending(index)
     except Exception as error:

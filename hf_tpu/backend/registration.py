@@ -30,7 +30,7 @@ def register() -> None:
             )
         from .. import compile as graph_mode
         from .. import integrations
-        from . import autocast, device_module, engine_hooks, fallback, module_conversion
+        from . import autocast, device_module, engine_hooks, fallback, module_conversion, pinned
 
         if name != "tpu":
             torch.utils.rename_privateuse1_backend("tpu")
@@ -43,8 +43,9 @@ def register() -> None:
         _patch_accelerator(device_module)
         module_conversion.install()
         _patch_storage_constructor()
-        _install_host_pinning()
+        pinned.install()
         _explain_device_generators()
+        _route_streams_and_events(device_module)
         integrations.install()
         graph_mode.install()
         _registered = True
@@ -76,7 +77,8 @@ def _delegating(original: Any, replacement: Any) -> Any:
 
 
 def _patch_accelerator(tpu: Any) -> None:
-    """torch's pure-Python PrivateUse1 path leaves these raising; route them to ``torch.tpu``."""
+    """torch's pure-Python PrivateUse1 path leaves these raising (the stream ones: answering with a generic
+    stream that does nothing); route them to ``torch.tpu``."""
     replacements = {
         "synchronize": tpu.synchronize,
         "current_device_index": tpu.current_device,
@@ -92,6 +94,8 @@ def _patch_accelerator(tpu: Any) -> None:
         "reset_accumulated_memory_stats": lambda device=None, /: None,
         "memory_stats": tpu.memory_stats,
         "get_memory_info": tpu.mem_get_info,
+        "current_stream": tpu.current_stream,
+        "set_stream": tpu.set_stream,
     }
     for namespace in (torch.accelerator, torch.accelerator.memory):
         for name, replacement in replacements.items():
@@ -120,28 +124,26 @@ def _patch_storage_constructor() -> None:
     torch.UntypedStorage.__new__ = new
 
 
-_pinning_library: list[torch.library.Library] = []
-
-
-def _install_host_pinning() -> None:
-    """``Tensor.pin_memory()`` (DataLoader(pin_memory=True), the Trainer's default) asks the PrivateUse1
-    hooks for a pinned allocator, which a Python backend cannot provide. JAX stages host transfers itself,
-    so "pinning" for tpu is a plain host copy with the same strides."""
-
-    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride(), dtype=self.dtype).copy_(self)
-
-    library = torch.library.Library("aten", "IMPL")
-    library.impl("_pin_memory", pin_memory, "CPU")
-    _pinning_library.append(library)
-
-
 _GENERATOR_MESSAGE = (
     "torch.Generator(device={device!r}) is not supported: PyTorch creates device generators only for C++ backends. "
     "Pass a CPU generator instead, e.g. torch.Generator().manual_seed(0) (diffusers' randn_tensor and "
     "transformers sample with it and move the numbers to tpu), or seed the device's own stream with "
     "torch.manual_seed(0)."
 )
+
+
+def _standing_in_for(original: type) -> type:
+    """A metaclass for a class that replaces the torch C type ``original``: ``isinstance`` and
+    ``issubclass`` against the replacement stay true for everything torch makes."""
+
+    class StandIn(type(original)):
+        def __instancecheck__(cls, instance: Any) -> bool:
+            return isinstance(instance, original)
+
+        def __subclasscheck__(cls, subclass: type) -> bool:
+            return issubclass(subclass, original)
+
+    return StandIn
 
 
 def _explain_device_generators() -> None:
@@ -151,16 +153,7 @@ def _explain_device_generators() -> None:
     if torch.Generator is not original:
         return
 
-    class GeneratorType(type(original)):
-        """Keeps ``isinstance(g, torch.Generator)`` true for every generator torch makes."""
-
-        def __instancecheck__(cls, instance: Any) -> bool:
-            return isinstance(instance, original)
-
-        def __subclasscheck__(cls, subclass: type) -> bool:
-            return issubclass(subclass, original)
-
-    class Generator(original, metaclass=GeneratorType):
+    class Generator(original, metaclass=_standing_in_for(original)):
         __doc__ = original.__doc__
 
         def __new__(cls, device: Any = None) -> Any:
@@ -170,3 +163,39 @@ def _explain_device_generators() -> None:
 
     Generator.__module__, Generator.__qualname__ = "torch", "Generator"
     torch.Generator = Generator
+
+
+def _names_tpu(device: Any) -> bool:
+    return _is_tpu_current() if device is None else torch.device(device).type == "tpu"
+
+
+def _route_streams_and_events(tpu: Any) -> None:
+    """``torch.Stream(device="tpu")`` and ``torch.Event(device="tpu")`` (or with no device: tpu is the
+    accelerator) would make torch's generic objects, whose methods do nothing for a Python backend;
+    make them ``torch.tpu.Stream``/``torch.tpu.Event``. Other devices get torch's own, unchanged."""
+    stream_type, event_type = torch._C.Stream, torch._C.Event
+    if torch.Stream is not stream_type:
+        return
+
+    class Stream(stream_type, metaclass=_standing_in_for(stream_type)):
+        __doc__ = stream_type.__doc__
+
+        def __new__(cls, device: Any = None, *, priority: int = 0, **ids: Any) -> Any:
+            if ids:  # stream_id, device_index, device_type: torch re-creating a stream it handed out
+                return stream_type(priority=priority, **ids)
+            if _names_tpu(device):
+                return tpu.Stream(device, priority)
+            return stream_type(device, priority=priority)
+
+    class Event(event_type, metaclass=_standing_in_for(event_type)):
+        __doc__ = event_type.__doc__
+
+        def __new__(cls, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
+                    interprocess: bool = False) -> Any:
+            if _names_tpu(device):
+                return tpu.Event(enable_timing, blocking, interprocess)
+            return event_type(device, enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+
+    Stream.__module__, Stream.__qualname__ = "torch", "Stream"
+    Event.__module__, Event.__qualname__ = "torch", "Event"
+    torch.Stream, torch.Event = Stream, Event

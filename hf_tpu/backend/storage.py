@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,17 +28,27 @@ _CHIP_0 = torch.device("tpu", 0)
 _CAN_SWAP = hasattr(torch._C.StorageBase, "_swap_data_ptr_")
 
 
-_latest: dict[int, Any] = {}  # the newest array per device: waiting on it waits on all queued work
+# A chip runs its programs in the order they were issued, so waiting for the newest computed array waits
+# for all queued compute. Host-to-device transfers run beside that queue, so the newest one is kept too.
+_latest: dict[int, Any] = {}
+_transfers: dict[int, Any] = {}
+# Set by streams.py while some thread has a non-default stream current: records each computed array on it.
+stream_tracker: Callable[[Any, int], None] | None = None
 
 
-def is_latest(array: Any) -> bool:
-    """Whether ``array`` is the newest array of its device (which :func:`wait_for_pending` holds)."""
-    return any(latest is array for latest in _latest.values())
+def is_latest(array: Any) -> int:
+    """How many of the newest-array records (which :func:`wait_for_pending` holds) hold ``array``."""
+    return sum(newest is array for newest in (*_latest.values(), *_transfers.values()))
+
+
+def newest(device_index: int) -> tuple:
+    """The newest computed array and the newest transferred array of a device, those that exist:
+    waiting for both waits for all the work queued on it."""
+    return tuple(a for a in (_latest.get(device_index), _transfers.get(device_index)) if a is not None)
 
 
 def wait_for_pending(device_index: int) -> None:
-    array = _latest.get(device_index)
-    if array is not None:
+    for array in newest(device_index):
         array.block_until_ready()
 
 
@@ -46,38 +56,62 @@ class Buffer:
     """The device memory behind one tpu storage.
 
     ``array`` holds the storage's elements in the dtype the storage was created with (``dtype``),
-    in any shape whose size is ``numel``; it is ``None`` until first written (lazy ``empty``).
+    in any shape whose size is ``numel``; it is ``None`` until first written (lazy ``empty``), and
+    while an asynchronous copy on a stream writes it: ``pending`` is then that copy's future array.
+    ``transfer``: ``array`` was just copied from the host (see ``_transfers``).
     """
 
-    __slots__ = ("array", "dtype", "numel", "device_index", "nbytes", "address", "__weakref__")
+    __slots__ = ("array", "pending", "dtype", "numel", "device_index", "nbytes", "address", "__weakref__")
 
-    def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int) -> None:
+    def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int, transfer: bool = False) -> None:
         self.nbytes = numel * dtype.itemsize
         self.address = allocator.new_address(self.nbytes, device_index, array is not None)  # first: it may refuse
-        self.array = array
+        self.array, self.pending = array, None
         self.dtype = dtype
         self.numel = numel
         self.device_index = device_index
         if array is not None:
-            _latest[device_index] = array
+            if transfer:
+                _transfers[device_index] = array
+            else:
+                _latest[device_index] = array
+                if stream_tracker is not None:
+                    stream_tracker(array, device_index)
 
     def materialize(self) -> Any:
-        """The array, allocating zeros for a storage that was never written."""
+        """The array: waits for a pending copy, allocates zeros for a storage that was never written."""
         if self.array is None:
-            self.set(_zeros(self.numel, dtypes.to_jax(self.dtype), self.device_index))
+            if self.pending is not None:
+                self.set(self.pending.result(), transfer=True)
+            else:
+                self.set(_zeros(self.numel, dtypes.to_jax(self.dtype), self.device_index))
         return self.array
 
-    def set(self, array: Any) -> None:
+    def set(self, array: Any, transfer: bool = False) -> None:
         if self.array is None:
-            allocator.allocated(self.device_index, self.nbytes)
+            if self.pending is None:
+                allocator.allocated(self.device_index, self.nbytes)
+            self.pending = None  # a write replaces what a pending copy would write
         self.array = array
-        _latest[self.device_index] = array
+        if transfer:  # as in __init__, inline: this runs for every op's result
+            _transfers[self.device_index] = array
+        else:
+            _latest[self.device_index] = array
+            if stream_tracker is not None:
+                stream_tracker(array, self.device_index)
+
+    def defer(self, future: Any) -> None:
+        """Makes the array that ``future`` (a copy running on a stream) returns the storage's next
+        contents: the first read waits for it."""
+        if self.array is None and self.pending is None:
+            allocator.allocated(self.device_index, self.nbytes)
+        self.array, self.pending = None, future
 
     def __del__(self) -> None:
         if not hasattr(self, "array"):  # refused by the allocator: nothing was counted
             return
         _by_address.pop(self.address, None)
-        if self.array is not None:
+        if self.array is not None or self.pending is not None:
             allocator.freed(self.device_index, self.nbytes)
 
 
@@ -114,9 +148,10 @@ def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
     return tensor
 
 
-def wrap(array: Any, dtype: torch.dtype, device_index: int = 0) -> torch.Tensor:
-    """A new tpu tensor that owns ``array`` (whose dtype must be ``dtypes.to_jax(dtype)``)."""
-    return _new_tensor(Buffer(array, dtype, array.size, device_index), array.shape)
+def wrap(array: Any, dtype: torch.dtype, device_index: int = 0, transfer: bool = False) -> torch.Tensor:
+    """A new tpu tensor that owns ``array`` (whose dtype must be ``dtypes.to_jax(dtype)``); ``transfer``:
+    the array was just copied from the host."""
+    return _new_tensor(Buffer(array, dtype, array.size, device_index, transfer), array.shape)
 
 
 def wrap_strided(physical: Any, dtype: torch.dtype, device_index: int, shape: tuple, stride: tuple) -> torch.Tensor:
@@ -202,14 +237,15 @@ def read(tensor: torch.Tensor) -> Any:
     return _view_reader(view_geometry(tensor, buffer))(array)
 
 
-def write(tensor: torch.Tensor, value: Any) -> None:
-    """Sets the tensor's elements (through its view onto the storage) to ``value``, cast to its dtype."""
+def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
+    """Sets the tensor's elements (through its view onto the storage) to ``value``, cast to its dtype;
+    ``transfer``: ``value`` was just copied from the host."""
     buffer = buffer_of(tensor)
     if is_whole(tensor, buffer):
         target = dtypes.to_jax(tensor.dtype)
         if value.dtype != target or value.shape != tensor.shape:
-            value = _cast_to(tuple(tensor.shape), target)(value)
-        buffer.set(value)
+            value, transfer = _cast_to(tuple(tensor.shape), target)(value), False
+        buffer.set(value, transfer)
         return
     buffer.set(_view_writer(view_geometry(tensor, buffer))(buffer.materialize(), value))
 

@@ -68,7 +68,7 @@ def _mask_indices(mask: torch.Tensor) -> list[torch.Tensor]:
     """The integer indices of a boolean mask's True elements, one tensor per mask dimension."""
     index = _device_index(mask)
     host = to_host(mask).numpy()
-    return [storage.wrap(to_device(torch.from_numpy(column), torch.int64, index), torch.int64, index)
+    return [storage.wrap(to_device(torch.from_numpy(column), torch.int64, index), torch.int64, index, transfer=True)
             for column in np.nonzero(host)]
 
 
@@ -132,7 +132,8 @@ def index_put_(self, indices, values, accumulate=False, unsafe=False):
 @kernel("nonzero")
 def nonzero(self):
     index = _device_index(self)
-    return storage.wrap(to_device(torch.nonzero(to_host(self)), torch.int64, index), torch.int64, index)
+    return storage.wrap(to_device(torch.nonzero(to_host(self)), torch.int64, index), torch.int64, index,
+                        transfer=True)
 
 
 @lowering("nonzero_static", "nonzero_static.out")
@@ -506,7 +507,7 @@ def _unique_on_host(op):
     def run(self, *args, **kwargs):
         index = _device_index(self)
         results = op(to_host(self), *args, **kwargs)
-        return tuple(storage.wrap(to_device(r, r.dtype, index), r.dtype, index) for r in results)
+        return tuple(storage.wrap(to_device(r, r.dtype, index), r.dtype, index, transfer=True) for r in results)
 
     return run
 

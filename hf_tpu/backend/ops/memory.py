@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import checks, device_module, dtypes, runtime, storage
+from .. import checks, device_module, dtypes, pinned, runtime, storage, streams
 from ..dispatch import check_no_internal_overlap, device_mismatch, kernel, lowering
 
 
@@ -81,19 +81,36 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
     return jax.device_put(array, jax_device, may_alias=False)
 
 
+def _transferred(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
+    """:func:`to_device` for a stream's worker: returns once the copy is complete."""
+    array = to_device(host, dtype, device_index)
+    array.block_until_ready()
+    return array
+
+
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A new CPU tensor with a tpu tensor's values (a host sync: raises the checks pending)."""
     checks.raise_pending()
-    array = np.asarray(storage.read(tensor))
+    return _host_tensor(storage.read(tensor), tensor.dtype)
+
+
+def _host_tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor of ``dtype`` with a device array's values (waits for the array)."""
+    array = np.asarray(array)
     if not array.flags.writeable or not array.flags.c_contiguous:
         array = np.array(array, order="C")
-    if tensor.dtype in (torch.float64, torch.complex128) and array.dtype != dtypes.host_numpy_dtype(tensor.dtype):
-        array = array.astype(dtypes.host_numpy_dtype(tensor.dtype))
-    if tensor.dtype == torch.bfloat16:
+    if dtype in (torch.float64, torch.complex128) and array.dtype != dtypes.host_numpy_dtype(dtype):
+        array = array.astype(dtypes.host_numpy_dtype(dtype))
+    if dtype == torch.bfloat16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return torch.from_numpy(array.view(np.uint8)).view(tensor.dtype)
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.from_numpy(array.view(np.uint8)).view(dtype)
     return torch.from_numpy(array)
+
+
+def _fill_host(host: torch.Tensor, array: Any, dtype: torch.dtype) -> None:
+    """For a stream's worker: copies a device array (of ``dtype``) into a host tensor."""
+    host.copy_(_host_tensor(array, dtype))
 
 
 def _device_index_of(tensor: torch.Tensor) -> int:
@@ -105,25 +122,42 @@ def copy_(self, src, non_blocking=False):
     if self.device.type != "tpu":
         if self.device.type != "cpu":
             raise device_mismatch(src.device, self.device)
-        return self.copy_(to_host(src), non_blocking)
+        stream = streams.copy_stream(_device_index_of(src))
+        if stream is None:
+            return self.copy_(to_host(src), non_blocking)
+        if non_blocking and self.is_pinned():
+            streams.queue_copy(stream, _fill_host, self, storage.read(src), src.dtype)
+            return self
+        return self.copy_(streams.run_copy(stream, to_host, src))
     check_no_internal_overlap(self)
     index = _device_index_of(self)
+    transfer = True
     if src.device.type == "tpu":
         value = storage.read(src)
-        if _device_index_of(src) != index:
+        transfer = _device_index_of(src) != index
+        if transfer:
             value = jax.device_put(value, runtime.device(index))
     elif src.device.type in ("cpu", "meta"):
         if src.device.type == "meta":
             raise NotImplementedError(
                 "Cannot copy out of meta tensor; no data! Use 'to_empty()' to move a module off meta."
             )
-        value = to_device(src, self.dtype, index)
+        stream = streams.copy_stream(index)
+        if stream is None:
+            value = to_device(src, self.dtype, index)
+        elif non_blocking and src.is_pinned() and src.shape == self.shape and storage.is_whole(
+            self, storage.buffer_of(self)
+        ):
+            storage.buffer_of(self).defer(streams.queue_copy(stream, _transferred, src, self.dtype, index))
+            return self
+        else:
+            value = streams.run_copy(stream, _transferred, src, self.dtype, index)
     else:
         raise device_mismatch(self.device, src.device)
     if self.is_complex() is False and jnp.iscomplexobj(value):
         _warn_if_discarding_imaginary(src.dtype, self.dtype)
-        value = value.real
-    storage.write(self, value)
+        value, transfer = value.real, False
+    storage.write(self, value, transfer)
     return self
 
 
@@ -154,11 +188,11 @@ def _layout_for(tensor: torch.Tensor, memory_format: Any) -> tuple | None:
     return None if strides is None else strides(tensor.shape)
 
 
-def _device_result(value: Any, dtype: torch.dtype, index: int, stride: tuple | None) -> torch.Tensor:
+def _device_result(value: Any, dtype: torch.dtype, index: int, stride: tuple | None, transfer: bool) -> torch.Tensor:
     if stride is None:
-        return storage.wrap(value, dtype, index)
+        return storage.wrap(value, dtype, index, transfer)
     result = storage.empty(value.shape, dtype, index, stride)
-    storage.write(result, value)
+    storage.write(result, value, transfer)
     return result
 
 
@@ -169,17 +203,33 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     stride = _layout_for(self, memory_format)
     if self.device.type != "tpu":  # host -> device, converting on the host
         index = _index(target)
-        return _device_result(to_device(self, dtype, index), dtype, index, stride)
+        stream = streams.copy_stream(index)
+        if stream is None:
+            value = to_device(self, dtype, index)
+        elif non_blocking and stride is None and self.is_pinned():
+            result = storage.empty(self.shape, dtype, index)
+            storage.buffer_of(result).defer(streams.queue_copy(stream, _transferred, self, dtype, index))
+            return result
+        else:
+            value = streams.run_copy(stream, _transferred, self, dtype, index)
+        return _device_result(value, dtype, index, stride, transfer=True)
     if target.type == "tpu":
         _warn_if_discarding_imaginary(self.dtype, dtype)
         index = _index(target)
         value = storage.read(self)
-        if _device_index_of(self) != index:
+        transfer = _device_index_of(self) != index
+        if transfer:
             value = jax.device_put(value, runtime.device(index))
         if value.dtype != dtypes.to_jax(dtype):
-            value = _astype(dtypes.to_jax(dtype))(value)
-        return _device_result(value, dtype, index, stride)
-    host = to_host(self)
+            value, transfer = _astype(dtypes.to_jax(dtype))(value), False
+        return _device_result(value, dtype, index, stride, transfer)
+    stream = streams.copy_stream(_device_index_of(self))
+    if stream is not None and non_blocking and target.type == "cpu":  # into pinned memory, as CUDA does
+        host = torch.empty_strided(self.shape, stride or torch._prims_common.make_contiguous_strides_for(self.shape),
+                                   dtype=dtype)
+        streams.queue_copy(stream, _fill_host, pinned.mark(host), storage.read(self), self.dtype)
+        return host
+    host = to_host(self) if stream is None else streams.run_copy(stream, to_host, self)
     if host.dtype != dtype:
         host = host.to(dtype)
     if stride is not None:
@@ -202,6 +252,11 @@ def _astype(dtype: Any):
     return fn
 
 
+@kernel("record_stream")
+def record_stream(self, s):
+    streams.record_stream(self, s)
+
+
 @kernel("_local_scalar_dense")
 def _local_scalar_dense(self):
     checks.raise_pending()
@@ -215,8 +270,8 @@ def resize_(self, size, memory_format=None):
     needed = self.storage_offset() + math.prod(size)
     if needed > buffer.numel:
         grown = storage.empty((needed,), buffer.dtype, buffer.device_index)
-        if buffer.array is not None:
-            old = buffer.array.reshape(-1)
+        if buffer.array is not None or buffer.pending is not None:
+            old = buffer.materialize().reshape(-1)
             storage.buffer_of(grown).set(jnp.concatenate([old, jnp.zeros(needed - buffer.numel, old.dtype)]))
         new_storage = grown.untyped_storage()
     else:
