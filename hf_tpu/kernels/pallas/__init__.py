@@ -1,0 +1,28 @@
+"""Pallas TPU kernels as plain JAX functions (JAX arrays in, JAX arrays out), with pure-JAX references.
+
+- ``rms_norm``: transformers' ``LlamaRMSNorm`` (own row-block kernel, forward and backward);
+- ``flash_attention``: ``scaled_dot_product_attention`` with causal, GQA, boolean and key-length
+  masks (JAX's TPU flash-attention kernel, forward and backward);
+- ``decode_attention``: one query token per sequence over a ``[B, Hkv, S_max, D]`` KV cache with
+  per-sequence lengths (own kernel, forward only);
+- ``grouped_matmul``: the MoE experts' grouped matmul (JAX's megablox ``gmm``, forward and backward).
+
+On TPU chips they compile with Mosaic; elsewhere they run in TPU interpret mode
+(``interpret_unless_on_tpu``), which is slow. ``use_by_default()`` says whether hf_tpu should prefer
+them to its XLA-native lowerings: only when TPU chips back the device. ``references`` holds the
+formulas they are tested against.
+"""
+
+from .attention import decode_attention, flash_attention
+from .grouped_matmul import grouped_matmul
+from .platform import interpret_unless_on_tpu, use_by_default
+from .rms_norm import rms_norm
+
+__all__ = [
+    "decode_attention",
+    "flash_attention",
+    "grouped_matmul",
+    "interpret_unless_on_tpu",
+    "rms_norm",
+    "use_by_default",
+]
