@@ -16,12 +16,14 @@ _load()
 
 
 def __getattr__(name: str) -> object:
-    if name == "export":  # ahead-of-time packages, imported at first use (they import JAX)
-        import importlib
+    import importlib
 
+    if name == "export":  # ahead-of-time packages, imported at first use (they import JAX)
         return importlib.import_module(".export", __name__)
+    if name in ("jax_op", "to_jax", "from_jax"):  # JAX interop, imported at first use too
+        return getattr(importlib.import_module(".kernels.jax_interop", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["export", "register"]
+__all__ = ["export", "from_jax", "jax_op", "register", "to_jax"]
 __version__ = "0.1.0"

@@ -267,3 +267,11 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
+
+
+def __getattr__(name: str) -> Any:
+    if name == "pallas":  # torch.tpu.pallas.jax_op, as TorchTPU names it; imported at first use (it imports JAX)
+        import importlib
+
+        return importlib.import_module("..kernels.jax_interop", __package__)
+    raise AttributeError(f"module 'torch.tpu' has no attribute {name!r}")

@@ -30,6 +30,7 @@ def register() -> None:
             )
         from .. import compile as graph_mode
         from .. import integrations
+        from ..kernels import torch_tpu_shim
         from . import autocast, device_module, engine_hooks, fallback, module_conversion, pinned
 
         if name != "tpu":
@@ -48,6 +49,7 @@ def register() -> None:
         _route_streams_and_events(device_module)
         integrations.install()
         graph_mode.install()
+        torch_tpu_shim.install()  # `from torch_tpu._internal.pallas import jax_op` for Hub kernels
         _registered = True
 
 

@@ -365,20 +365,23 @@ class CompiledGraph:
     def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held
         by nothing but its storage (and the newest-array record), passed to the program only once."""
-        donated = []
-        for position in self._mutated_inputs:
-            tensor, array = tensors[position], arrays[position]
-            if tensor.device.type != "tpu" or storage.buffer_of(tensor).array is not array:
-                continue
-            references = sys.getrefcount(array) - storage.is_latest(array)
-            if references <= _OWNED_REFERENCES and sum(a is array for a in arrays) == 1:
-                donated.append(position)
-        return tuple(donated)
+        return tuple(position for position in self._mutated_inputs
+                     if donatable(tensors[position], arrays[position], arrays))
 
 
-# References to a storage's array while _donatable looks at it: the storage, the arrays list, the
-# loop variable and getrefcount's argument. More means someone else (another storage) holds it.
-_OWNED_REFERENCES = 4
+def donatable(tensor: torch.Tensor, array: Any, arrays: list) -> bool:
+    """Whether ``array``, read from ``tensor`` into a program's inputs ``arrays``, can be donated to it: the
+    storage's whole array, held by nothing but its storage (and the newest-array record), passed once.
+    The caller must hold ``array`` only in ``arrays`` and in the one variable it passes here."""
+    if tensor.device.type != "tpu" or storage.buffer_of(tensor).array is not array:
+        return False
+    references = sys.getrefcount(array) - storage.is_latest(array)
+    return references <= _OWNED_REFERENCES and sum(a is array for a in arrays) == 1
+
+
+# References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
+# variable, this function's parameter and getrefcount's argument. More means someone else holds it.
+_OWNED_REFERENCES = 5
 _graph_numbers = itertools.count(1)
 # program fingerprint and devices -> executable; both caches keep the most recently used only
 _EXECUTABLES: collections.OrderedDict[tuple[str, str], Callable] = collections.OrderedDict()

@@ -1,7 +1,23 @@
-"""Custom kernels for the ``tpu`` device (not implemented yet).
+"""Custom kernels for the ``tpu`` device.
 
-This package will hold Pallas kernels (attention, RMSNorm, rotary embeddings, fused optimizers)
-written with ``jax.experimental.pallas`` for TPUs, exposed as PyTorch ops on tpu tensors, and the
-loader that lets the Hugging Face ``kernels`` library find TPU builds of Hub kernels for this device
-(``kernels`` picks TPU builds when ``torch.backends.tpu`` exists, which hf_tpu sets).
+:func:`jax_op` (also ``torch.tpu.pallas.jax_op`` and ``torch_tpu._internal.pallas.jax_op``) makes a JAX or
+Pallas function a PyTorch op on tpu tensors; :func:`to_jax` / :func:`from_jax` hand arrays between the two
+without copies (:mod:`.jax_interop`). They are imported at first use: this package must not import JAX when
+``import torch`` registers the device. The ``kernels`` library finds TPU builds of Hub kernels for this
+device because hf_tpu sets ``torch.backends.tpu``.
 """
+
+from typing import Any
+
+_INTEROP = ("jax_op", "to_jax", "from_jax")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _INTEROP:
+        from . import jax_interop
+
+        return getattr(jax_interop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_INTEROP)
