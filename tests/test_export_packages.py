@@ -142,14 +142,14 @@ def test_packages_run_in_a_new_process_without_the_models_code(packages, tmp_pat
         torch.testing.assert_close(result, package.cpu[package.key], **TOLERANCE)
 
 
-@pytest.mark.skipif(runtime.backing_platform() == "tpu", reason="the device runs on TPU chips here")
-def test_package_for_tpu_chips_is_written_on_this_host_and_refused_here(packages, tmp_path):
-    path = tmp_path / "llama_for_tpu.hftpu"
-    hf_tpu.export.save(packages["llama"].exported, path, platforms=["tpu"])
-    with zipfile.ZipFile(path) as package:
-        assert jax.export.deserialize(bytearray(package.read("program.jax"))).platforms == ("tpu",)
+def test_package_for_another_platform_is_written_on_this_host_and_refused_here(packages, tmp_path):
     platform = runtime.backing_platform()
-    with pytest.raises(RuntimeError, match=f"exported for the tpu platform, but the tpu device runs on {platform} "
+    other = "cpu" if platform == "tpu" else "tpu"  # off TPU chips: a package for chips, written on this host
+    path = tmp_path / f"llama_for_{other}.hftpu"
+    hf_tpu.export.save(packages["llama"].exported, path, platforms=[other])
+    with zipfile.ZipFile(path) as package:
+        assert jax.export.deserialize(bytearray(package.read("program.jax"))).platforms == (other,)
+    with pytest.raises(RuntimeError, match=f"exported for the {other} platform, but the tpu device runs on {platform} "
                                            f"here: export it again on a {platform} host"):
         hf_tpu.export.load(path)
 
