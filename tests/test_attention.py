@@ -179,3 +179,33 @@ def test_bad_inputs_raise_as_on_cpu(k, message):
         with pytest.raises(RuntimeError, match=message):
             F.scaled_dot_product_attention(Q.to(device), k.to(device), V[:, :k.size(1)].to(k.dtype).to(device),
                                            enable_gqa=True)
+
+
+def test_long_attention_runs_on_the_flash_kernel_where_pallas_kernels_are_used(monkeypatch):
+    """HF_TPU_PALLAS=1 takes the TPU chips' path here (JAX's flash kernel, interpreted) for long unmasked attention:
+    output and gradients (causal), output and logsumexp (not causal) match the CPU, with grouped key/value heads.
+    A shorter sequence keeps XLA's lowering."""
+    from hf_tpu.kernels import pallas
+
+    calls, kernel = [], pallas.flash_attention_with_logsumexp
+    monkeypatch.setattr(pallas, "flash_attention_with_logsumexp", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 1024, 16), torch.randn(1, 1, 1040, 16), torch.randn(1, 1, 1040, 16)
+    expected, expected_grads = sdpa_with_grads(q, k, v, is_causal=True, enable_gqa=True)
+    actual, actual_grads = sdpa_with_grads(*to_tpu((q, k, v)), is_causal=True, enable_gqa=True)
+    assert calls, "the flash kernel was not used"
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(actual_grads, expected_grads):
+        assert_same(got, want, atol=1e-4, rtol=1e-4)
+
+    k, v = torch.repeat_interleave(k, 2, dim=1), torch.repeat_interleave(v, 2, dim=1)
+    out, logsumexp = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(*to_tpu((q, k, v)))[:2]
+    assert_same(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    assert_same(logsumexp, torch.logsumexp(q @ k.transpose(-1, -2) / 4, dim=-1), atol=1e-5, rtol=1e-5)
+
+    calls.clear()
+    short = q[..., :512, :]
+    assert_same(F.scaled_dot_product_attention(*to_tpu((short, k, v))), F.scaled_dot_product_attention(short, k, v),
+                atol=1e-5, rtol=1e-5)
+    assert not calls

@@ -17,6 +17,7 @@ BAD_VALUES = {
     "HF_TPU_LOG_RECOMPILES": ("loud", "ValueError: HF_TPU_LOG_RECOMPILES='loud' is not a yes/no value"),
     "HF_TPU_STRICT_COMPILE": ("sure", "ValueError: HF_TPU_STRICT_COMPILE='sure' is not a yes/no value"),
     "HF_TPU_CHECKS": ("sometimes", "ValueError: HF_TPU_CHECKS='sometimes' is not one of 1, immediate, 0"),
+    "HF_TPU_PALLAS": ("always", "ValueError: HF_TPU_PALLAS='always' is not one of auto, 1, 0"),
     "HF_TPU_CACHE_DIR": ("/proc/no-such-dir", "ValueError: HF_TPU_CACHE_DIR='/proc/no-such-dir': cannot create"),
 }
 

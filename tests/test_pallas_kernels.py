@@ -167,6 +167,10 @@ def flash_for_tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return pallas.flash_attention(q, k, v, mask, causal=True, interpret=False)
 
 
+def flash_with_logsumexp_for_tpu(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return pallas.flash_attention_with_logsumexp(q, k, v, causal=True, interpret=False)
+
+
 def decode_for_tpu(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
     return pallas.decode_attention(q, k, v, lengths, interpret=False)
 
@@ -183,6 +187,7 @@ LOWERINGS = {
     "rms_norm_grad": (summed(rms_norm_for_tpu, (0, 1)), RMS_NORM_SPECS),
     "flash_attention": (flash_for_tpu, FLASH_SPECS),
     "flash_attention_grad": (summed(flash_for_tpu, (0, 1, 2)), FLASH_SPECS),
+    "flash_attention_with_logsumexp": (flash_with_logsumexp_for_tpu, FLASH_SPECS[:3]),
     "decode_attention": (
         decode_for_tpu,
         (spec((2, 8, 64)), spec((2, 2, 512, 64)), spec((2, 2, 512, 64)), spec((2,), jnp.int32)),

@@ -75,6 +75,32 @@ def test_gradients_match_a_loop_of_products():
     assert_same(tpu_weights.grad, weights.grad, atol=1e-5, rtol=1e-5)
 
 
+@DTYPES
+def test_pallas_grouped_matmul_where_pallas_kernels_are_used(monkeypatch, dtype):
+    """HF_TPU_PALLAS=1 takes the TPU chips' path here (the megablox kernel, interpreted): values and gradients
+    match the CPU's loop of products. The shapes are this test's own, so no cached program without it is reused."""
+    from hf_tpu.kernels import pallas
+
+    calls, kernel = [], pallas.grouped_matmul
+    monkeypatch.setattr(pallas, "grouped_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    torch.manual_seed(0)
+    tokens, weights, ends = torch.randn(14, 24, dtype=dtype), torch.randn(5, 24, 40, dtype=dtype), (2, 9, 9, 11, 13)
+    tpu_tokens, tpu_weights = (t.to("tpu").requires_grad_() for t in (tokens, weights))
+    tokens.requires_grad_(), weights.requires_grad_()
+    starts = (0,) + ends[:-1]
+    expected = torch.cat([tokens[s:e] @ weights[g] for g, (s, e) in enumerate(zip(starts, ends))])
+    actual = torch._grouped_mm(tpu_tokens, tpu_weights, offs=offsets(*ends).to("tpu"))
+    assert calls, "the Pallas grouped matmul was not used"
+    assert_same(actual[:13], expected, **TOLERANCES[dtype])
+    assert not actual[13:].cpu().any()
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    actual[:13].backward(grad.to("tpu"))
+    assert_same(tpu_tokens.grad, tokens.grad, **TOLERANCES[dtype])
+    assert_same(tpu_weights.grad, weights.grad, **TOLERANCES[dtype])
+
+
 def test_bad_arguments_raise_like_cpu():
     tokens, weights, offs = to_tpu((torch.randn(4, 16), torch.randn(2, 16, 8), offsets(2, 4)))
     with pytest.raises(RuntimeError, match="same dtype"):

@@ -26,7 +26,7 @@ _CHECKS = {"1": "deferred", "on": "deferred", "deferred": "deferred", "immediate
 
 # Every variable hf_tpu reads; another HF_TPU_* name in the environment is most likely a typo.
 VARIABLES = ("HF_TPU_PLATFORM", "HF_TPU_NUM_DEVICES", "HF_TPU_CACHE_DIR", "HF_TPU_CPU_FALLBACK", "HF_TPU_CHECKS",
-             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING")
+             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING", "HF_TPU_PALLAS")
 
 
 def flag(name: str) -> bool:
@@ -56,6 +56,7 @@ def check_environment() -> None:
     requested_platform()
     requested_device_count()
     checks_mode()
+    pallas_mode()
     for name in ("HF_TPU_CPU_FALLBACK", "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE"):
         flag(name)
     if not os.environ.get("HF_TPU_CHECK_TPU_LOWERING", "").strip().lower().startswith("record:"):
@@ -64,6 +65,28 @@ def check_environment() -> None:
     if unknown:
         logger.warning("hf_tpu: ignoring %s: not a variable hf_tpu reads (those are %s).",
                        ", ".join(unknown), ", ".join(VARIABLES))
+
+
+def pallas_mode() -> str:
+    """``HF_TPU_PALLAS``: ``auto`` (the default), ``1`` or ``0``; see :func:`pallas_kernels`."""
+    value = os.environ.get("HF_TPU_PALLAS", "auto").strip().lower() or "auto"
+    if value in _YES:
+        return "1"
+    if value in _NO:
+        return "0"
+    if value != "auto":
+        raise ValueError(f"HF_TPU_PALLAS={value!r} is not one of auto, 1, 0: use auto (the Pallas kernels on TPU "
+                         "chips only), 1 (on every platform, interpreted off TPU chips) or 0 (never).")
+    return value
+
+
+def pallas_kernels() -> bool:
+    """Whether operator lowerings use hf_tpu's Pallas kernels (:mod:`hf_tpu.kernels.pallas`) where those
+    beat the XLA-native lowering: on TPU chips by default (``HF_TPU_PALLAS=auto``), on every platform
+    with ``HF_TPU_PALLAS=1`` (off TPU chips in TPU interpret mode: slow, to test the chips' code path on
+    a laptop), never with ``0``. Read when an operator is traced, so set it before the first call."""
+    mode = pallas_mode()
+    return backing_platform() == "tpu" if mode == "auto" else mode == "1"
 
 
 def requested_platform() -> str:

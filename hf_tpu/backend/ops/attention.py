@@ -10,6 +10,10 @@ choice tpu's ``_fused_sdp_choice`` reports and, for the overrideable backend, ca
 from :func:`_attend`, the backward as its VJP. Graph mode sees the same two ops in its ATen graphs
 (FakeTensors on tpu reach the same kernel) and lowers them from the op table.
 
+Where Pallas kernels are used (TPU chips, see :func:`~hf_tpu.backend.runtime.pallas_kernels`), long
+attention with no mask but ``is_causal`` runs on the Pallas flash-attention kernel, forward and backward
+(:func:`_flash_wins`); XLA's own lowering materializes the ``[L, S]`` logits.
+
 Dropout takes the math path: the fused op's schema has no input for a random key, so its lowering
 could not draw fresh randomness inside a jitted program. So do ``torch.func`` transforms and forward-mode
 AD (the fused op has no batching rule, forward-AD formula or double backward) and ``sdpa_kernel`` choices
@@ -28,6 +32,7 @@ from jax import lax
 from torch.autograd import forward_ad
 from torch.nn.attention import SDPBackend
 
+from .. import runtime
 from ..dispatch import Lowering, build_kernel, kernel, lowering, resolve
 from .linalg import _accumulator
 
@@ -85,6 +90,18 @@ def _logsumexp_shape(logsumexp):
     return logsumexp if logsumexp.ndim == 3 else logsumexp[None]
 
 
+_FLASH_MIN_LENGTH = 1024  # a choice, not yet measured on chips: from here on the logits no longer fit the caches
+
+
+def _flash_wins(query, key, value, attn_bias) -> bool:
+    """Whether the Pallas flash kernel computes this attention: where Pallas kernels are used, for 4-d float32 or
+    bfloat16 inputs with query and key lengths of at least ``_FLASH_MIN_LENGTH`` and no mask but ``is_causal``
+    (a boolean mask's fully masked rows come out zero from :func:`_attend` and unspecified from the kernel)."""
+    return (attn_bias is None and query.ndim == 4 and query.dtype in (jnp.float32, jnp.bfloat16)
+            and min(query.shape[-2], key.shape[-2]) >= _FLASH_MIN_LENGTH and value.shape[-1] == query.shape[-1]
+            and runtime.pallas_kernels())
+
+
 _FUSED = "_scaled_dot_product_fused_attention_overrideable"
 
 
@@ -97,7 +114,12 @@ def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=
         raise NotImplementedError(
             f"aten::{_FUSED}: dropout_p > 0 is not lowered on tpu (scaled_dot_product_attention routes it to the "
             "math path)")
-    out, logsumexp = _attend(query, key, value, attn_bias, is_causal, scale)
+    if _flash_wins(query, key, value, attn_bias):
+        from ...kernels import pallas
+
+        out, logsumexp = pallas.flash_attention_with_logsumexp(query, key, value, causal=is_causal, scale=scale)
+    else:
+        out, logsumexp = _attend(query, key, value, attn_bias, is_causal, scale)
     zero = jnp.zeros((), jnp.int64)
     return out, _logsumexp_shape(logsumexp), None, None, query.shape[-2], key.shape[-2], zero, zero, None
 
@@ -133,10 +155,15 @@ def fused_attention_kernel(query, key, value, attn_bias=None, dropout_p=0.0, is_
 @lowering("_scaled_dot_product_fused_attention_overrideable_backward")
 def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
-    """Gradients of query, key, value and (if it is floating point) the additive bias, as the VJP of the forward."""
+    """Gradients of query, key, value and (if it is floating point) the additive bias, as the VJP of the forward
+    (with the flash kernel's own backward kernels where :func:`_flash_wins`)."""
     differentiable_bias = attn_bias is not None and jnp.issubdtype(attn_bias.dtype, jnp.floating)
 
     def forward(q, k, v, b):
+        if _flash_wins(q, k, v, attn_bias):
+            from ...kernels import pallas
+
+            return pallas.flash_attention(q, k, v, causal=is_causal, scale=scale)
         return _attend(q, k, v, b if differentiable_bias else attn_bias, is_causal, scale)[0]
 
     _, vjp = jax.vjp(forward, query, key, value, attn_bias if differentiable_bias else None)

@@ -3,6 +3,11 @@
 ``offs`` holds the cumulative end of each group along the grouped dimension (int32, as torch and
 transformers build it). Rows (or columns) past ``offs[-1]`` belong to no group; CPU and CUDA leave them
 uninitialized, here they are zero. Half-precision inputs accumulate in float32, as in ``mm``.
+
+The experts' form (2-D tokens x 3-D expert weights) runs on the Pallas grouped matmul (megablox
+``gmm``) where Pallas kernels are used (TPU chips, see :func:`~hf_tpu.backend.runtime.pallas_kernels`):
+it streams each expert's weights once for the rows routed to it, while XLA's TPU lowering of the
+ragged dot is one masked dense product per group.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from .. import runtime
 from ..dispatch import lowering
 from .linalg import _accumulator
 
@@ -35,6 +41,16 @@ def _ragged(lhs, rhs, offs, lhs_ragged: int, rhs_group: tuple, contracting: tupl
         lhs, rhs, _group_sizes(offs), numbers, precision=_precision(lhs.dtype),
         preferred_element_type=_accumulator(lhs.dtype),
     )
+
+
+def _rows_by_group(self, mat2, offs):
+    """2-D ``[M, K]`` x 3-D ``[G, K, N]``: the Pallas grouped matmul where Pallas kernels are used, else the ragged
+    dot. Its gradients are other ``_grouped_mm`` forms and take the same choice where they have it."""
+    if runtime.pallas_kernels() and self.dtype in (jnp.float32, jnp.bfloat16):
+        from ...kernels import pallas
+
+        return pallas.grouped_matmul(self, mat2, _group_sizes(offs))
+    return _ragged(self, mat2, offs, lhs_ragged=0, rhs_group=(0,), contracting=((1,), (1,)))
 
 
 def _column_groups(self, mat2, offs):
@@ -78,7 +94,7 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
         accumulator = _accumulator(self.dtype)
         result = jnp.matmul(self, mat2, precision=_precision(self.dtype), preferred_element_type=accumulator)
     elif self.ndim == 2 and mat2.ndim == 3:
-        result = _ragged(self, mat2, offs, lhs_ragged=0, rhs_group=(0,), contracting=((1,), (1,)))
+        result = _rows_by_group(self, mat2, offs)
     elif self.ndim == 2:
         result = _ragged(self, mat2, offs, lhs_ragged=1, rhs_group=(), contracting=((1,), (0,)))
     else:

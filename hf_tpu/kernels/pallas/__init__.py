@@ -8,12 +8,13 @@
 - ``grouped_matmul``: the MoE experts' grouped matmul (JAX's megablox ``gmm``, forward and backward).
 
 On TPU chips they compile with Mosaic; elsewhere they run in TPU interpret mode
-(``interpret_unless_on_tpu``), which is slow. ``use_by_default()`` says whether hf_tpu should prefer
-them to its XLA-native lowerings: only when TPU chips back the device. ``references`` holds the
-formulas they are tested against.
+(``interpret_unless_on_tpu``), which is slow. ``use_by_default()`` says whether hf_tpu prefers them
+to its XLA-native lowerings (on TPU chips, or everywhere with ``HF_TPU_PALLAS=1``): then the op table
+computes long unmasked ``scaled_dot_product_attention`` with ``flash_attention`` and the experts'
+``_grouped_mm`` with ``grouped_matmul``. ``references`` holds the formulas they are tested against.
 """
 
-from .attention import decode_attention, flash_attention
+from .attention import decode_attention, flash_attention, flash_attention_with_logsumexp
 from .grouped_matmul import grouped_matmul
 from .platform import interpret_unless_on_tpu, use_by_default
 from .rms_norm import rms_norm
@@ -21,6 +22,7 @@ from .rms_norm import rms_norm
 __all__ = [
     "decode_attention",
     "flash_attention",
+    "flash_attention_with_logsumexp",
     "grouped_matmul",
     "interpret_unless_on_tpu",
     "rms_norm",

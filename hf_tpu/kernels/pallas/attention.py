@@ -57,6 +57,25 @@ def flash_attention(
     no key to attend gets an unspecified finite value (torch gives NaN there).
     ``interpret``: see ``interpret_unless_on_tpu``.
     """
+    return _flash(q, k, v, mask, key_lengths, causal, query_offset, scale, interpret, residuals=False)
+
+
+def flash_attention_with_logsumexp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`flash_attention` (no masks but ``causal``) and the float32 ``[B, Hq, Sq]`` logsumexp of each
+    query row's scaled logits, as torch's fused attention ops return it. Not differentiable: differentiate
+    :func:`flash_attention`, whose backward kernels recompute what they need."""
+    return _flash(q, k, v, None, None, causal, 0, scale, interpret, residuals=True)
+
+
+def _flash(q, k, v, mask, key_lengths, causal, query_offset, scale, interpret, residuals):
     batch, heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     if heads % kv_heads:
@@ -95,6 +114,16 @@ def flash_attention(
         block_q_major_dkv=block_q, block_k_major_dkv=_KEY_BLOCK, block_k_dkv=_KEY_BLOCK, block_q_dkv=block_q,
         block_k_major_dq=_KEY_BLOCK, block_k_dq=_KEY_BLOCK, block_q_dq=block_q,
     )
+    if residuals:
+        # The kernel's forward with its saved row sums and maxima; JAX's public entry point keeps them for its
+        # own backward. lse = max + log(sum).
+        def kernel(q, k, v, bias, segment_ids):
+            out, row_sum, row_max = tpu_flash._flash_attention(
+                q, k, v, bias, segment_ids, True, causal, scale, block_sizes, False)
+            return out, row_max + jnp.log(row_sum)
+
+        out, logsumexp = interpret_unless_on_tpu(kernel, interpret)(q, k, v, bias, segment_ids)
+        return out[:, :, :q_len, :], logsumexp[:, :, :q_len]
     kernel = functools.partial(
         tpu_flash.flash_attention,
         causal=causal and not shifted_causal,

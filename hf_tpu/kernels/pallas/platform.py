@@ -22,9 +22,10 @@ def use_by_default() -> bool:
     """Whether hf_tpu should prefer the Pallas kernels to the XLA-native lowerings.
 
     True when TPU chips back the ``tpu`` device; on every other platform the XLA-native lowerings
-    stay (the kernels would only run in the slow interpret mode there).
+    stay (the kernels would only run in the slow interpret mode there), unless ``HF_TPU_PALLAS=1``
+    asks for them everywhere (see :func:`hf_tpu.backend.runtime.pallas_kernels`).
     """
-    return runtime.backing_platform() == "tpu"
+    return runtime.pallas_kernels()
 
 
 def interpret_unless_on_tpu(fn: Callable[..., Any], interpret: bool | None = None) -> Callable[..., Any]:
@@ -42,7 +43,7 @@ def interpret_unless_on_tpu(fn: Callable[..., Any], interpret: bool | None = Non
     ``fn`` under the same settings. Differentiating it works exactly when differentiating ``fn`` does.
     """
     if interpret is None:
-        interpret = not use_by_default()
+        interpret = runtime.backing_platform() != "tpu"
     return functools.partial(_traced_for_tpu, interpret, fn)
 
 
