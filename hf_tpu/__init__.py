@@ -22,8 +22,10 @@ def __getattr__(name: str) -> object:
         return importlib.import_module(".export", __name__)
     if name in ("jax_op", "to_jax", "from_jax"):  # JAX interop, imported at first use too
         return getattr(importlib.import_module(".kernels.jax_interop", __name__), name)
+    if name in ("distribute", "mesh", "placement", "sharding_of"):  # sharded tensors, imported at first use too
+        return getattr(importlib.import_module(".sharding", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["export", "from_jax", "jax_op", "register", "to_jax"]
+__all__ = ["distribute", "export", "from_jax", "jax_op", "mesh", "placement", "register", "sharding_of", "to_jax"]
 __version__ = "0.1.0"

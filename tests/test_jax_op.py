@@ -184,12 +184,24 @@ def _add_kernel(x_ref, y_ref, out_ref):
     out_ref[...] = x_ref[...] + y_ref[...]
 
 
-@jax_op("jax_op_test::pallas_add")
-def pallas_add(x: jax.Array, y: jax.Array) -> jax.Array:
+def _blockwise_add(x, y):
     """A Pallas kernel written for TPUs (no interpret=): row blocks of 8 x 128."""
     block = pl.BlockSpec((8, 128), lambda i: (i, 0))
     return pl.pallas_call(_add_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // 8,),
                           in_specs=[block, block], out_specs=block)(x, y)
+
+
+@jax_op("jax_op_test::pallas_add")
+def pallas_add(x: jax.Array, y: jax.Array) -> jax.Array:
+    return _blockwise_add(x, y)
+
+
+@jax.custom_vjp
+def doubled_with_kernel_backward(x):
+    return x * 2
+
+
+doubled_with_kernel_backward.defvjp(lambda x: (x * 2, None), lambda _, g: (_blockwise_add(g, g),))
 
 
 def test_tpu_pallas_kernel_runs_on_this_host_eager_and_compiled():
@@ -198,6 +210,20 @@ def test_tpu_pallas_kernel_runs_on_this_host_eager_and_compiled():
     torch.testing.assert_close(pallas_add(a, b).cpu(), x + y)
     compiled = torch.compile(lambda a, b: pallas_add(a, b) * 2, backend="tpu", fullgraph=True)
     torch.testing.assert_close(compiled(a, b).cpu(), (x + y) * 2)
+
+
+def test_custom_vjp_backward_kernel_runs_on_this_host():
+    """A custom_vjp's backward is traced when its pullback runs, after jax.vjp: in interpret mode too."""
+
+    def double(x: jax.Array) -> jax.Array:
+        return doubled_with_kernel_backward(x)
+
+    op = jax_op("jax_op_test::kernel_backward", double)
+    compiled = torch.compile(lambda a: op(a).sum(), backend="tpu", fullgraph=True)
+    for run in (lambda a: op(a).sum(), compiled):
+        x = torch.ones(16, 128, device="tpu", requires_grad=True)
+        run(x).backward()
+        torch.testing.assert_close(x.grad.cpu(), torch.full((16, 128), 2.0))
 
 
 def test_one_chip_mesh_and_partition_specs():

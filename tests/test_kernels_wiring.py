@@ -7,12 +7,11 @@ import copy
 
 import pytest
 import torch
-import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_tpu.kernels
 from conftest import tiny_llama
-from hf_tpu.kernels import transformers_wiring
+from hf_tpu.kernels.hub import tpu_mapping
 from test_transformers_moe import INPUT_IDS, tiny_qwen3_moe
 
 # Left-padded batch: the second sequence starts with two padding tokens.
@@ -57,6 +56,7 @@ def test_llama_logits_match_on_a_left_padded_batch(llamas):
         actual = kernels(ids, attention_mask=mask).logits
     expected = plain(ids, attention_mask=mask).logits.detach()
     assert log.ops.count("attention") == 2 and log.ops.count("rms_norm") == 2 * 2 + 1
+    assert log.ops.count("activation") == 2  # the MLPs' SiLU
     assert plain.config._attn_implementation == "sdpa" and kernels.config._attn_implementation == "tpu_pallas"
     # padding positions attend no key: their values are unspecified
     real = PADDED_MASK.bool()
@@ -103,11 +103,13 @@ def test_qwen3_moe_logits_and_greedy_tokens_match(qwen3_moes):
     assert torch.equal(kernels.generate(ids, max_new_tokens=3, do_sample=False).cpu(), expected_tokens.cpu())
 
 
-def test_only_rms_norms_computing_llamas_formula_are_replaced():
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm  # weight * x before the cast
-
-    assert transformers_wiring._computes_llama_rms_norm(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm(8))
-    assert not transformers_wiring._computes_llama_rms_norm(GptOssRMSNorm(8))
+def test_rms_norms_and_activations_are_kernelized_through_the_layer_mapping(llamas):
+    plain, kernels = llamas
+    layer = kernels.model.layers[0]
+    assert kernels.use_kernels and not plain.use_kernels
+    for module, name in ((kernels.model.norm, "RMSNorm"), (layer.mlp.act_fn, "SiLU")):
+        assert module.forward.__func__ is tpu_mapping()[name]["tpu"].load().forward
+    assert "forward" not in vars(plain.model.norm) and "forward" not in vars(plain.model.layers[0].mlp.act_fn)
 
 
 def test_a_model_not_on_tpu_is_refused():

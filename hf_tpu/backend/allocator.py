@@ -1,7 +1,8 @@
 """Bookkeeping of device memory: fake storage addresses and live byte counts per chip.
 
 Every tpu storage gets a fresh, never reused address range (so ``data_ptr()`` identifies storages
-as on CUDA); its bytes count as allocated from the moment its buffer holds an array until it dies.
+as on CUDA); its bytes count as allocated from the moment its buffer holds an array until it dies. A
+storage spread over several chips (a sharded tensor) counts each chip's shard on that chip.
 These counts are what ``torch.tpu.memory_allocated`` and friends report.
 """
 
@@ -37,8 +38,14 @@ def new_address(nbytes: int, device_index: int, materialized: bool) -> int:
 
 
 def allocated(device_index: int, nbytes: int) -> None:
+    allocated_shards(((device_index, nbytes),))
+
+
+def allocated_shards(shards: tuple[tuple[int, int], ...]) -> None:
+    """Counts a storage's bytes: ``(chip, bytes)`` for each chip it lives on (one, or each of a sharded one's)."""
     with _lock:
-        _count(device_index, nbytes)
+        for device_index, nbytes in shards:
+            _count(device_index, nbytes)
 
 
 def _count(device_index: int, nbytes: int) -> None:
@@ -49,9 +56,14 @@ def _count(device_index: int, nbytes: int) -> None:
 
 
 def freed(device_index: int, nbytes: int) -> None:
+    freed_shards(((device_index, nbytes),))
+
+
+def freed_shards(shards: tuple[tuple[int, int], ...]) -> None:
     with _lock:
-        _current[device_index] -= nbytes
-        _frees[device_index] += 1
+        for device_index, nbytes in shards:
+            _current[device_index] -= nbytes
+            _frees[device_index] += 1
 
 
 def current(device_index: int) -> int:

@@ -40,6 +40,7 @@ class Lowering:
     static: frozenset[str] = frozenset()
     writes_overlapping: bool = False
     sees_layout: bool = False
+    calls_kernels: bool = False
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -47,7 +48,8 @@ CUSTOM_KERNELS: dict[str, Callable[..., Any]] = {}
 
 
 def lowering(
-    *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False, sees_layout: bool = False
+    *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False, sees_layout: bool = False,
+    calls_kernels: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Registers a JAX lowering for ATen overloads (``"add.Tensor"``; namespace ``aten`` unless given).
 
@@ -58,10 +60,12 @@ def lowering(
     order, whether it is contiguous (``None`` for an absent optional). For ops whose ATen kernel picks
     its algorithm by layout and whose backward formula relies on that choice (``linalg.det`` factors
     ``A^T`` when ``A`` is contiguous, and its backward solves with the factors accordingly).
+    ``calls_kernels``: the lowering may call a Pallas kernel (:func:`~hf_tpu.backend.runtime.pallas_kernels`),
+    so its programs wait for their results where the kernel is interpreted (:func:`runtime.waiting`).
     """
 
     def register(fn: Callable) -> Callable:
-        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout)
+        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout, calls_kernels)
         for name in names:
             _check_unregistered(LOWERINGS, name, fn)
             LOWERINGS[name] = entry
@@ -132,20 +136,63 @@ def device_mismatch(first: Any, second: Any) -> RuntimeError:
     )
 
 
+def _where(chips: tuple[int, ...]) -> str:
+    """A tensor's device, and the chips it is spread over if it is sharded."""
+    if len(chips) == 1:
+        return f"tpu:{chips[0]}"
+    return f"tpu:{chips[0]} (sharded over {', '.join(f'tpu:{chip}' for chip in chips)})"
+
+
+def on_one_mesh(arrays: list[Any], chips: list[int]) -> tuple[list[Any], int] | None:
+    """Arrays one program may take together: with the chip each came from, if some are spread over a mesh, the
+    others (on one chip of that mesh) are put replicated on it, and the result's device is the mesh's first
+    chip; ``None`` when none is spread. An array on a chip outside the mesh, or on another mesh, is the usual
+    mixed-device error, as is a mix of one-chip arrays on different chips."""
+    spread = [array.sharding for array in arrays if storage.is_spread(array)]
+    if not spread:
+        if any(chip != chips[0] for chip in chips):
+            raise device_mismatch(f"tpu:{chips[0]}", f"tpu:{next(chip for chip in chips if chip != chips[0])}")
+        return None
+    mesh_chips = storage.chips(spread[0])
+    for other in spread[1:]:
+        if other._device_assignment != spread[0]._device_assignment:
+            raise device_mismatch(_where(mesh_chips), _where(storage.chips(other)))
+    replicated = storage.replicated(spread[0])
+    placed = []
+    for array, chip in zip(arrays, chips):
+        if not storage.is_spread(array):
+            if chip not in mesh_chips:
+                raise device_mismatch(_where(mesh_chips), f"tpu:{chip}")
+            array = jax.device_put(array, replicated)
+        placed.append(array)
+    return placed, mesh_chips[0]
+
+
+def defer_check(check: Any, device_index: int) -> None:
+    """:func:`checks.defer` for a program's check, which a program on a mesh returns on each of its chips:
+    pending checks are merged per chip, so it is gathered onto the first."""
+    if storage.is_spread(check):
+        check = jax.device_put(check, runtime.device(device_index))
+    checks.defer(check, device_index)
+
+
 class _Inputs:
-    """Reads tensor arguments for one op call, checking that they share one tpu device.
+    """Reads tensor arguments for one op call, checking that they share one tpu device, or one mesh of chips
+    (see :func:`on_one_mesh`).
 
     A tensor that is a view (not its whole storage, contiguous) contributes its storage's array,
     and its geometry is recorded in ``views`` under its position: the view is then taken inside the
     op's own jitted program, so a transposed weight costs no extra dispatch.
     """
 
-    __slots__ = ("device_index", "views", "numbers")
+    __slots__ = ("device_index", "views", "numbers", "read_from", "mixed")
 
     def __init__(self) -> None:
         self.device_index = None
         self.views: list[tuple[tuple[int, int], tuple]] = []
         self.numbers: list[int] = []  # slots holding a Python float or complex (the 2.5 of `x * 2.5`)
+        self.read_from: list[tuple[tuple[int, int], int, Any]] = []  # (position, chip, array) per tensor read
+        self.mixed = False  # another chip or a sharded array among the inputs: see place()
 
     def read(self, tensor: torch.Tensor, position: tuple[int, int]) -> Any:
         try:
@@ -154,16 +201,36 @@ class _Inputs:
             if isinstance(tensor, (float, complex)) and position[1] < 0:
                 self.numbers.append(position[0])
             return self._foreign(tensor)
-        if self.device_index is None:
-            self.device_index = buffer.device_index
-        elif buffer.device_index != self.device_index:
-            raise device_mismatch(f"tpu:{self.device_index}", f"tpu:{buffer.device_index}")
         array = buffer.array
         if array is None:
             array = buffer.materialize()
+        if self.device_index is None:
+            self.device_index = buffer.device_index
+        elif buffer.device_index != self.device_index:
+            self.mixed = True
+        if type(array.sharding) is not storage.ONE_CHIP:
+            self.mixed = True
+        self.read_from.append((position, buffer.device_index, array))
         if array.shape != tensor.shape or not storage.is_whole(tensor, buffer):
             self.views.append((position, storage.view_geometry(tensor, buffer)))
         return array
+
+    def place(self, dynamic: list) -> None:
+        """When the inputs are not all on one chip: puts them on one mesh (:func:`on_one_mesh`) in ``dynamic``."""
+        arrays = [array for _, _, array in self.read_from]
+        together = on_one_mesh(arrays, [chip for _, chip, _ in self.read_from])
+        if together is None:
+            return
+        placed, self.device_index = together
+        for ((slot, item), _, old), new in zip(self.read_from, placed):
+            if new is old:
+                continue
+            if item < 0:
+                dynamic[slot] = new
+            else:
+                items = list(dynamic[slot])
+                items[item] = new
+                dynamic[slot] = tuple(items)
 
     def _foreign(self, tensor: torch.Tensor) -> Any:
         if not isinstance(tensor, torch.Tensor):  # a wrapped Python number, e.g. the 2 in `x + 2`
@@ -297,7 +364,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
         # keep_unused: unused inputs still pin the chip
-        return tpu_lowering.checked(op.name(), jax.jit(traced, keep_unused=True))
+        program = tpu_lowering.checked(op.name(), jax.jit(traced, keep_unused=True))
+        return runtime.waiting_if_interpreted(program) if entry.calls_kernels else program
 
     def run(*args, **kwargs):
         if guard.forked:
@@ -337,6 +405,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                         else:
                             value = _scalar_array(value, wide)
                     dynamic.append(value)
+            if reader.mixed:
+                reader.place(dynamic)
             static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
             order = None
             if keeps_layout and first_tensor is not None:
@@ -358,7 +428,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
                 raise RuntimeError(f"{op.name()}: {error}") from error
             if check is not None:
-                checks.defer(check, reader.device_index or 0)
+                defer_check(check, reader.device_index or 0)
 
             if destinations:
                 outs = [bound[i] for i in destinations]

@@ -211,6 +211,48 @@ def device(index: int) -> Any:
     return devices()[index]
 
 
+interpreted_kernel_traces = 0
+"""How many traces held a Pallas kernel in TPU interpret mode (counted by ``hf_tpu.kernels.pallas.platform``)."""
+
+
+def waiting(fn: Any) -> Any:
+    """``fn`` (a jitted function or executable) waiting for its results before it returns, on JAX's CPU platform.
+
+    For programs holding a Pallas kernel in TPU interpret mode: there the kernel's callbacks run programs of
+    their own, which queue behind the CPU client's bound on programs in flight; once the programs issued
+    after the kernel's fill that bound, the kernel and they wait for each other forever.
+    """
+    if backing_platform() != "cpu":
+        return fn
+    import jax
+
+    def run(*args: Any) -> Any:
+        return jax.block_until_ready(fn(*args))
+
+    return run
+
+
+def waiting_if_interpreted(fn: Any) -> Any:
+    """``fn`` (a jitted function, traced at its calls) :func:`waiting` from the first call whose trace held a
+    Pallas kernel in TPU interpret mode, on JAX's CPU platform."""
+    if backing_platform() != "cpu":
+        return fn
+    import jax
+
+    interpreted = False
+
+    def run(*args: Any) -> Any:
+        nonlocal interpreted
+        traces = interpreted_kernel_traces
+        result = fn(*args)
+        if interpreted or interpreted_kernel_traces != traces:
+            interpreted = True
+            jax.block_until_ready(result)
+        return result
+
+    return run
+
+
 def backing_platform() -> str:
     """``tpu``, ``gpu`` or ``cpu``: what really runs the ``tpu`` device."""
     return devices()[0].platform

@@ -4,7 +4,9 @@ A tpu tensor is an ordinary ``torch.Tensor`` with a PrivateUse1 TensorImpl. Its 
 torch storage with a unique fake address and the right ``nbytes``, so views, ``_base``, version
 counters, ``data_ptr()`` and shared-storage detection behave exactly as on CPU. The storage's Python
 object (which torch keeps alive as long as the C++ storage lives) carries a :class:`Buffer` holding the
-elements as a JAX array. Views read and write that array through :mod:`strided`.
+elements as a JAX array. Views read and write that array through :mod:`strided`. The array may be spread
+over several chips (a sharded tensor, see :mod:`hf_tpu.sharding`): a storage keeps the placement of its first
+contents for its life (:func:`placed`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from . import allocator, dlpack_alloc, dtypes, runtime, strided, tpu_lowering
@@ -61,15 +64,21 @@ class Buffer:
     ``transfer``: ``array`` was just copied from the host (see ``_transfers``).
     """
 
-    __slots__ = ("array", "pending", "dtype", "numel", "device_index", "nbytes", "address", "__weakref__")
+    __slots__ = ("array", "pending", "dtype", "numel", "device_index", "nbytes", "address", "sharding", "shards",
+                 "__weakref__")
 
     def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int, transfer: bool = False) -> None:
         self.nbytes = numel * dtype.itemsize
-        self.address = allocator.new_address(self.nbytes, device_index, array is not None)  # first: it may refuse
+        self.sharding = self.shards = None
+        # first, before anything is counted: both may refuse (devices that are no chips; a size no chip holds)
+        shards = _shard_bytes(array, dtype) if array is not None and is_spread(array) else None
+        self.address = allocator.new_address(self.nbytes, device_index, array is not None and shards is None)
         self.array, self.pending = array, None
         self.dtype = dtype
         self.numel = numel
         self.device_index = device_index
+        if shards is not None:
+            device_index = self._spread_over(array, shards)
         if array is not None:
             if transfer:
                 _transfers[device_index] = array
@@ -77,20 +86,26 @@ class Buffer:
                 _latest[device_index] = array
                 if stream_tracker is not None:
                     stream_tracker(array, device_index)
+            if self.shards is not None:
+                _record_on_chips(array, self.shards, transfer)
 
     def materialize(self) -> Any:
         """The array: waits for a pending copy, allocates zeros for a storage that was never written."""
         if self.array is None:
             if self.pending is not None:
-                self.set(self.pending.result(), transfer=True)
+                self.set(placed(self, self.pending.result()), transfer=True)
             else:
                 self.set(_zeros(self.numel, dtypes.to_jax(self.dtype), self.device_index))
         return self.array
 
     def set(self, array: Any, transfer: bool = False) -> None:
         if self.array is None:
-            if self.pending is None:
-                allocator.allocated(self.device_index, self.nbytes)
+            if self.pending is None:  # the first contents: a new storage takes their placement (see placed)
+                array = placed(self, array)
+                if is_spread(array):
+                    self._spread_over(array)
+                else:
+                    allocator.allocated(self.device_index, self.nbytes)
             self.pending = None  # a write replaces what a pending copy would write
         self.array = array
         if transfer:  # as in __init__, inline: this runs for every op's result
@@ -99,6 +114,16 @@ class Buffer:
             _latest[self.device_index] = array
             if stream_tracker is not None:
                 stream_tracker(array, self.device_index)
+        if self.shards is not None:
+            _record_on_chips(array, self.shards, transfer)
+
+    def _spread_over(self, array: Any, shards: tuple | None = None) -> int:
+        """Makes the storage one spread over the chips of ``array`` (its first contents), counting each chip's
+        shard (``shards``, if computed already); returns its first chip."""
+        self.sharding, self.shards = array.sharding, shards or _shard_bytes(array, self.dtype)
+        self.device_index = self.shards[0][0]
+        allocator.allocated_shards(self.shards)
+        return self.device_index
 
     def defer(self, future: Any) -> None:
         """Makes the array that ``future`` (a copy running on a stream) returns the storage's next
@@ -111,8 +136,93 @@ class Buffer:
         if not hasattr(self, "array"):  # refused by the allocator: nothing was counted
             return
         _by_address.pop(self.address, None)
-        if self.array is not None or self.pending is not None:
+        if self.shards is not None:
+            allocator.freed_shards(self.shards)
+        elif self.array is not None or self.pending is not None:
             allocator.freed(self.device_index, self.nbytes)
+
+
+# --- sharded storages: one array spread over several chips (a jax.sharding.NamedSharding over a mesh) ---------
+ONE_CHIP = jax.sharding.SingleDeviceSharding
+
+
+def is_spread(array: Any) -> bool:
+    """Whether a device array lives on more than one chip (sharded or replicated over a mesh)."""
+    sharding = array.sharding
+    return type(sharding) is not ONE_CHIP and len(sharding.device_set) > 1
+
+
+@functools.cache
+def _chip_numbers() -> dict[Any, int]:
+    return {device: index for index, device in enumerate(runtime.devices())}
+
+
+def chip_index(jax_device: Any) -> int:
+    """The ``k`` of ``tpu:k`` that a JAX device backs."""
+    index = _chip_numbers().get(jax_device)
+    if index is None:
+        raise ValueError(f"{jax_device} is not one of the tpu chips (tpu:0 .. tpu:{len(_chip_numbers()) - 1}): "
+                         "build meshes from hf_tpu's chips (hf_tpu.mesh)")
+    return index
+
+
+def chips(sharding: Any) -> tuple[int, ...]:
+    """The chips of a multi-chip sharding, in its device order (the first one is the tensor's ``device``)."""
+    return tuple(chip_index(device) for device in sharding._device_assignment)
+
+
+def placement(buffer: Buffer) -> tuple[int, ...]:
+    """The chips a storage's elements live on."""
+    return (buffer.device_index,) if buffer.shards is None else tuple(chip for chip, _ in buffer.shards)
+
+
+def _shard_bytes(array: Any, dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
+    """(chip, bytes) for each chip of a spread array: each holds one shard (a replica counts in full)."""
+    sharding = array.sharding
+    nbytes = math.prod(sharding.shard_shape(array.shape)) * dtype.itemsize
+    return tuple((chip, nbytes) for chip in chips(sharding))
+
+
+def _record_on_chips(array: Any, shards: tuple, transfer: bool) -> None:
+    """A spread array is the newest work of each of its chips (``synchronize(k)`` waits for it)."""
+    record = _transfers if transfer else _latest
+    for chip, _ in shards:
+        record[chip] = array
+
+
+@functools.lru_cache(maxsize=256)
+def replicated(sharding: Any) -> Any:
+    """A sharding with ``sharding``'s devices, in the same order, holding a whole copy on each."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    mesh = jax.sharding.Mesh(np.array(sharding._device_assignment), ("chips",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def placed(buffer: Buffer, value: Any) -> Any:
+    """``value`` (of the storage array's shape) on the storage's placement. A storage takes the placement of its
+    first contents (a new tensor written whole with a sharded value, as ``clone`` does, is sharded alike, if its
+    ``device`` is the mesh's first chip) and keeps it for its life: its one chip (a spread value is gathered
+    there), or the sharding its first array had (a value spread otherwise is resharded to it)."""
+    if buffer.sharding is None:
+        sharding = getattr(value, "sharding", None)
+        if type(sharding) is ONE_CHIP or sharding is None or not is_spread(value):
+            return value
+        if buffer.array is None and buffer.pending is None and chips(sharding)[0] == buffer.device_index:
+            return value
+        return jax.device_put(value, runtime.device(buffer.device_index))
+    if value.sharding == buffer.sharding:
+        return value
+    return jax.device_put(value, buffer.sharding)
+
+
+def beside(buffer: Buffer, value: Any) -> Any:
+    """``value`` (of any shape) on devices a program may combine with the storage's array."""
+    if buffer.sharding is None:
+        return placed(buffer, value)
+    if value.sharding._device_assignment == buffer.sharding._device_assignment:
+        return value
+    return jax.device_put(value, replicated(buffer.sharding))
 
 
 def _zeros(numel: int, dtype: Any, device_index: int) -> Any:
@@ -245,9 +355,13 @@ def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
         target = dtypes.to_jax(tensor.dtype)
         if value.dtype != target or value.shape != tensor.shape:
             value, transfer = _cast_to(tuple(tensor.shape), target)(value), False
-        buffer.set(value, transfer)
+        if buffer.sharding is not None and buffer.array is not None and value.shape != buffer.array.shape:
+            # written through a whole view of another shape (a flat view)
+            value = value.reshape(buffer.array.shape)
+        buffer.set(placed(buffer, value), transfer)
         return
-    buffer.set(_view_writer(view_geometry(tensor, buffer))(buffer.materialize(), value))
+    array = buffer.materialize()
+    buffer.set(placed(buffer, _view_writer(view_geometry(tensor, buffer))(array, beside(buffer, value))))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)

@@ -42,14 +42,29 @@ def _skip_in_dynamo(trace_rules: Any) -> None:
     """Dynamo runs hf_tpu's and JAX's frames without tracing them. The device's Python kernels run
     inside user frames Dynamo watches (eager code between graph breaks, e.g. ``.item()``, or a frame
     Dynamo gave up on), and a kernel's first call traces its lowering with JAX: neither is user code,
-    and Dynamo's emulation of them fails (JAX's ``isinstance`` checks on tracers)."""
+    and Dynamo's emulation of them fails (JAX's ``isinstance`` checks on tracers). The kernel
+    repositories in ``hf_tpu/kernels/hub`` are traced, as any Hub kernel's layers are."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    directories = [package] + [
-        location for name in ("jax", "jaxlib") if (spec := importlib.util.find_spec(name)) is not None
-        for location in spec.submodule_search_locations or ()
-    ]
-    trace_rules.SKIP_DIRS.extend(directory.replace(os.sep, "/") + "/" for directory in directories)
+    hub = os.path.join(package, "kernels", "hub")
+    repositories = {os.path.join(hub, name) for name in os.listdir(hub)
+                    if os.path.isdir(os.path.join(hub, name, "build"))}
+    jax = [location for name in ("jax", "jaxlib") if (spec := importlib.util.find_spec(name)) is not None
+           for location in spec.submodule_search_locations or ()]
+    trace_rules.SKIP_DIRS.extend(path.replace(os.sep, "/") + ("/" if os.path.isdir(path) else "")
+                                 for path in _paths_besides(package, repositories) + jax)
     trace_rules._recompile_re()
+
+
+def _paths_besides(root: str, kept: set[str]) -> list[str]:
+    """The entries under directory ``root`` that cover all of it but the ``kept`` paths."""
+    paths = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if any(kept_path.startswith(path + os.sep) for kept_path in kept):
+            paths += _paths_besides(path, kept)
+        elif path not in kept:
+            paths.append(path)
+    return paths
 
 
 def _fake_grouped_mm_for_every_dtype(fake_impls: Any) -> None:

@@ -296,9 +296,11 @@ class CompiledGraph:
         if tpu_lowering.MODE != "off":
             tpu_lowering.check(f"compiled {self.name}", jax.jit(self._trace, static_argnums=0),
                                (static_values, rng, *arrays))
+        traces = runtime.interpreted_kernel_traces
         lowered = jax.jit(self._trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
-        device = arrays[0].devices() if arrays else None
-        fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), str(device))
+        interpreted = runtime.interpreted_kernel_traces != traces
+        placement = tuple(a.sharding for a in arrays)  # the chips, and how sharded inputs are spread over them
+        fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), placement)
         executable = _lookup(_EXECUTABLES, fingerprint)
         if executable is None:
             executable = _store(_EXECUTABLES, fingerprint, lowered.compile(), _SHARED_EXECUTABLES)
@@ -307,7 +309,7 @@ class CompiledGraph:
         else:
             count("cache_hits")
         count("compile_seconds", time.perf_counter() - start)
-        return executable, self._traced_sizes
+        return (runtime.waiting(executable) if interpreted else executable), self._traced_sizes
 
     def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple, Any]:
         signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
@@ -334,9 +336,14 @@ class CompiledGraph:
         args.clear()  # boxed convention: inputs (saved activations in backward) may die early
         device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
         arrays = [_read(t, device_index) for t in tensors + self._constants]
+        shardings = None
+        if any(type(a.sharding) is not storage.ONE_CHIP for a in arrays):  # sharded tensors among the inputs
+            arrays, device_index, shardings = _on_one_mesh(tensors + self._constants, arrays, device_index)
         donated = self._donatable(tensors, arrays)
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
-        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE)
+        if rng is not None and shardings is not None:
+            rng = jax.device_put(rng, storage.replicated(shardings[0]))  # every input is on the mesh now
+        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE, shardings)
         compiled = _lookup(self._executables, key)
         if compiled is None:
             compiled = _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
@@ -351,7 +358,7 @@ class CompiledGraph:
             raise
         count("calls")
         if check is not None:
-            checks.defer(check, device_index)
+            dispatch.defer_check(check, device_index)
         del arrays
         for position, value in zip(self._mutated_inputs, written):
             storage.write(tensors[position], value)
@@ -407,6 +414,17 @@ def _rng_parts(count: int, device_index: int) -> Any:
     """``count`` consecutive ``[seed, offset]`` pairs of the device's random stream, on the device."""
     parts = [random_state.next_key_parts(device_index) for _ in range(count)]
     return jax.device_put(np.array(parts, np.uint64), runtime.device(device_index))
+
+
+def _on_one_mesh(tensors: list[torch.Tensor], arrays: list[Any], device_index: int) -> tuple[list, int, tuple | None]:
+    """The inputs of a graph called with sharded tensors on one mesh (:func:`dispatch.on_one_mesh`), the chip its
+    results report, and the inputs' shardings (part of the executable's key) if some are spread."""
+    chips = [storage.buffer_of(t).device_index if t.device.type == "tpu" else device_index for t in tensors]
+    together = dispatch.on_one_mesh(arrays, chips)
+    if together is None:
+        return arrays, device_index, None
+    arrays, device_index = together
+    return arrays, device_index, tuple(a.sharding for a in arrays)
 
 
 def _read(tensor: torch.Tensor, device_index: int) -> Any:

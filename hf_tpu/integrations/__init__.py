@@ -21,9 +21,12 @@ INTEGRATIONS: dict[str, str] = {
     "transformers.generation.utils": "generation",
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
+    # not "transformers": by then transformers.utils has bound is_kernels_available
+    "transformers.utils.import_utils": "hub_kernels",
     "diffusers.utils.torch_utils": "diffusers",
     "torch._inductor": "inductor",  # ahead-of-time compilation: tpu programs go to hf_tpu.export
     "safetensors": "safetensors",
+    "kernels": "kernels",  # the Hugging Face kernels library (not hf_tpu.kernels)
 }
 
 

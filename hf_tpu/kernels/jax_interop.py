@@ -181,6 +181,7 @@ def _pallas_mode() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     from jax.experimental.pallas import tpu as pltpu
 
+    runtime.interpreted_kernel_traces += 1  # fn may hold a kernel: its programs wait (runtime.waiting)
     return pltpu.force_tpu_interpret_mode(pltpu.InterpretParams())
 
 
@@ -263,7 +264,8 @@ class _JaxOp:
                 if _is_differentiable(out.dtype) else np.zeros(out.shape, jax.dtypes.float0)
                 for out, seed in zip(outputs, cotangents)
             ]
-            return list(pullback(jax.tree.unflatten(output_structure, seeds)))
+            with _pallas_mode():  # a custom_vjp's backward (maybe a Pallas kernel) is traced here, not in jax.vjp
+                return list(pullback(jax.tree.unflatten(output_structure, seeds)))
 
         return vjp
 
@@ -271,12 +273,13 @@ class _JaxOp:
     def _program(self, statics: tuple, donated: tuple[int, ...]) -> Callable[..., Any]:
         """The jitted forward for these static values (JAX itself caches per shape and dtype)."""
         sharded = {} if self.output_shardings is None else {"out_shardings": self.output_shardings}
-        return tpu_lowering.checked(self.name, jax.jit(self._forward_body(statics), donate_argnums=donated,
-                                                       **sharded))
+        program = jax.jit(self._forward_body(statics), donate_argnums=donated, **sharded)
+        return runtime.waiting_if_interpreted(tpu_lowering.checked(self.name, program))
 
     @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
     def _vjp_program(self, statics: tuple) -> Callable[..., Any]:
-        return tpu_lowering.checked(f"{self.name}_vjp", jax.jit(self._vjp_body(statics)))
+        program = jax.jit(self._vjp_body(statics))
+        return runtime.waiting_if_interpreted(tpu_lowering.checked(f"{self.name}_vjp", program))
 
     # --- eager kernels ------------------------------------------------------------------------------
 

@@ -1,13 +1,16 @@
 """The built-in Pallas kernels wired into transformers models on tpu: :func:`enable`.
 
-Three torch ops made with :func:`~hf_tpu.kernels.jax_op` over :mod:`hf_tpu.kernels.pallas` serve
-transformers' registration points, all under the name :data:`NAME`:
+Torch ops made with :func:`~hf_tpu.kernels.jax_op` over :mod:`hf_tpu.kernels.pallas` serve transformers'
+registration points:
 
-- attention (``AttentionInterface``, with ``sdpa_mask`` in ``AttentionMaskInterface``):
-  ``flash_attention`` for prefill, training and masked steps, ``decode_attention`` for unmasked
-  one-token inference steps over the KV cache;
-- experts (``ExpertsInterface``): transformers' ``grouped_mm`` experts computed with ``grouped_matmul``;
-- RMSNorm: the ``forward`` of each RMSNorm module computing ``LlamaRMSNorm``'s formula, per instance.
+- attention (``AttentionInterface``, with ``sdpa_mask`` in ``AttentionMaskInterface``, under the name
+  :data:`NAME`): ``flash_attention`` for prefill, training and masked steps, ``decode_attention`` for
+  unmasked one-token inference steps over the KV cache;
+- experts (``ExpertsInterface``, under :data:`NAME`): transformers' ``grouped_mm`` experts computed with
+  ``grouped_matmul``;
+- RMSNorm and the activations: transformers' Hub-kernel layer mapping (``model.set_use_kernels(True)``),
+  whose tpu entries are hf_tpu's kernel repositories (:mod:`hf_tpu.kernels.hub`, wired in by
+  :mod:`hf_tpu.integrations.hub_kernels`): the ``rms_norm`` kernel and one elementwise op per activation.
 
 Off TPU chips the kernels run in TPU interpret mode: correct, slow, for testing. On TPU chips
 (``hf_tpu.kernels.pallas.use_by_default()``) is where they pay off; hf_tpu does not enable them itself.
@@ -15,7 +18,6 @@ Off TPU chips the kernels run in TPU interpret mode: correct, slow, for testing.
 
 from __future__ import annotations
 
-import types
 from typing import Optional
 
 import jax
@@ -24,7 +26,6 @@ import torch
 import transformers
 from transformers.integrations.moe import ExpertsInterface
 from transformers.masking_utils import sdpa_mask
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from . import pallas
 from .jax_interop import jax_op
@@ -32,12 +33,6 @@ from .jax_interop import jax_op
 NAME = "tpu_pallas"
 """The attention and experts implementation name (transformers routes names containing "flash",
 "sdpa" or "flex_attention" to its own integrations)."""
-
-
-@jax_op("hf_tpu_kernels::rms_norm")
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """``LlamaRMSNorm`` of ``x[..., H]`` with ``weight[H]``."""
-    return pallas.rms_norm(x, weight, eps)
 
 
 @jax_op("hf_tpu_kernels::attention")
@@ -124,41 +119,25 @@ def experts_forward(
     return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """``LlamaRMSNorm.forward`` on the kernel, bound to an RMSNorm instance by :func:`enable`."""
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def _computes_llama_rms_norm(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is an RMSNorm whose forward is ``LlamaRMSNorm``'s: transformers copies that class per
-    model (same code), while some RMSNorms with the same attributes differ (Olmo2, GptOss, gated ones)."""
-    if not (type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
-            and hasattr(module, "variance_epsilon")):
-        return False
-    code, reference = type(module).forward.__code__, LlamaRMSNorm.forward.__code__
-    return all(getattr(code, part) == getattr(reference, part)
-               for part in ("co_code", "co_consts", "co_names", "co_varnames"))
-
-
 def enable(model: torch.nn.Module) -> torch.nn.Module:
     """Runs ``model``, a transformers model on tpu, on the Pallas kernels; returns it (changed in place).
 
     Sets its attention implementation (``model.set_attn_implementation``, which changes ``model.config``)
-    and, for a mixture-of-experts model, its experts implementation to :data:`NAME`, and binds the kernel's
-    forward to each RMSNorm computing ``LlamaRMSNorm``'s formula. Off TPU chips the kernels run in TPU
-    interpret mode (slow: for testing).
+    and, for a mixture-of-experts model, its experts implementation to :data:`NAME`, and kernelizes it
+    (``model.set_use_kernels(True)``: transformers' layer mapping, re-applied when ``train()``/``eval()``
+    change the mode), which gives its ``@use_kernel_forward_from_hub("RMSNorm")`` modules and hub-kernel
+    activations hf_tpu's kernels. Off TPU chips the kernels run in TPU interpret mode (slow: for testing).
     """
     if not isinstance(model, transformers.PreTrainedModel):
-        raise TypeError(f"hf_tpu.kernels.enable takes a transformers model, not {type(model).__name__}")
+        raise TypeError(f"hf_tpu.kernels.enable takes a transformers model or a diffusers model or pipeline, not "
+                        f"{type(model).__name__}")
     elsewhere = sorted({str(p.device) for p in model.parameters() if p.device.type != "tpu"})
     if elsewhere:
         raise ValueError(f"hf_tpu.kernels.enable: the model has parameters on {', '.join(elsewhere)}; the kernels run "
                          "on tpu tensors: move the model with model.to('tpu') first")
     model.set_attn_implementation(NAME)
     model.set_experts_implementation(NAME)  # no change for a model without experts
-    for module in model.modules():
-        if _computes_llama_rms_norm(module):
-            module.forward = types.MethodType(rms_norm_forward, module)
+    model.set_use_kernels(True)
     return model
 
 

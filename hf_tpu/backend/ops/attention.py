@@ -105,7 +105,7 @@ def _flash_wins(query, key, value, attn_bias) -> bool:
 _FUSED = "_scaled_dot_product_fused_attention_overrideable"
 
 
-@lowering(_FUSED)
+@lowering(_FUSED, calls_kernels=True)
 def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                     scale=None):
     """Returns (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask);
@@ -135,7 +135,7 @@ def _eager_kernel(order: tuple[int, ...]) -> Callable:
             out, logsumexp, _, _, _, _, seed, offset, _ = fused_attention(*args)
             return out.transpose(order), logsumexp, seed, offset
 
-        built = _eager_kernels[order] = build_kernel(resolve(_FUSED), Lowering(arrays))
+        built = _eager_kernels[order] = build_kernel(resolve(_FUSED), Lowering(arrays, calls_kernels=True))
     return built
 
 
@@ -152,7 +152,7 @@ def fused_attention_kernel(query, key, value, attn_bias=None, dropout_p=0.0, is_
     return out, logsumexp, None, None, query.size(-2), key.size(-2), seed, offset, None
 
 
-@lowering("_scaled_dot_product_fused_attention_overrideable_backward")
+@lowering("_scaled_dot_product_fused_attention_overrideable_backward", calls_kernels=True)
 def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
     """Gradients of query, key, value and (if it is floating point) the additive bias, as the VJP of the forward

@@ -41,6 +41,28 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
     return storage.empty(size, dtype or torch.get_default_dtype(), _index(device), stride)
 
 
+_CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
+@kernel("empty_like")
+def empty_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """``empty_like``, with the strides ``_to_copy`` gives (as CPU's). A contiguous result on the chip of a sharded
+    tensor is sharded alike, and so are the ``zeros_like``, ``ones_like``, ``randn_like`` ... that fill it (the
+    optimizer states of sharded parameters, for one)."""
+    target = self.device if device is None else torch.device(device)
+    if target.type != "tpu" or layout not in (None, torch.strided) or pin_memory:
+        return torch.ops.aten.empty_like.default.redispatch(  # torch's own, for another device
+            _CPU_KEYS, self, dtype=dtype, layout=layout, device=device, pin_memory=pin_memory,
+            memory_format=memory_format)
+    stride = _layout_for(self, memory_format)
+    result = storage.empty(self.shape, dtype or self.dtype, _index(target), stride)
+    sharding = storage.buffer_of(self).sharding
+    if sharding is not None and stride is None and result.device == self.device and result.numel():
+        like = storage.read(self).sharding  # its first contents give a new storage its placement (storage.placed)
+        storage.write(result, jnp.zeros(result.shape, dtypes.to_jax(result.dtype), device=like))
+    return result
+
+
 _handed_over: set[int] = set()
 
 
@@ -181,9 +203,11 @@ def _warn_if_discarding_imaginary(source: torch.dtype, destination: torch.dtype)
 def _layout_for(tensor: torch.Tensor, memory_format: Any) -> tuple | None:
     """The strides of ``tensor.to(..., memory_format=...)``'s result, as on CPU; None for contiguous."""
     if memory_format in (None, torch.preserve_format):
-        if tensor.is_contiguous() or not torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
+        if tensor.is_contiguous():
             return None
-        return tuple(tensor.stride())
+        if torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
+            return tuple(tensor.stride())
+        memory_format = torch._prims_common.suggest_memory_format(tensor)  # e.g. a slice of a channels-last tensor
     strides = _CHANNELS_LAST_STRIDES.get(memory_format)
     return None if strides is None else strides(tensor.shape)
 

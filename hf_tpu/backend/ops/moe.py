@@ -80,7 +80,7 @@ def _check(self, mat2, offs, bias, out_dtype) -> None:
         raise RuntimeError("_grouped_mm needs offs when either matrix is 2-D, and takes none for two 3-D matrices")
 
 
-@lowering("_grouped_mm")
+@lowering("_grouped_mm", calls_kernels=True)
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     """Groups of matrix products, by the inputs' ranks:
 

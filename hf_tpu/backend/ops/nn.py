@@ -412,8 +412,10 @@ def native_dropout(input, p, train):
     """Returns (output, keep mask); ``train=False`` passes the input through."""
     if train is False:
         return input.clone(), torch.ones_like(input, dtype=torch.bool)
-    index = storage.buffer_of(input).device_index
-    out, mask = _dropout(random.key_parts(index), storage.read(input), 1.0 - p)
+    buffer = storage.buffer_of(input)
+    parts = storage.beside(buffer, random.key_parts(buffer.device_index))  # a sharded input's mesh
+    index = buffer.device_index
+    out, mask = _dropout(parts, storage.read(input), 1.0 - p)
     return storage.wrap(out, input.dtype, index), storage.wrap(mask, torch.bool, index)
 
 

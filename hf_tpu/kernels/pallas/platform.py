@@ -49,6 +49,8 @@ def interpret_unless_on_tpu(fn: Callable[..., Any], interpret: bool | None = Non
 
 @contextlib.contextmanager
 def _kernel_tracing(interpret: bool) -> Iterator[None]:
+    if interpret:
+        runtime.interpreted_kernel_traces += 1  # its program must not be queued behind (runtime.waiting)
     with contextlib.ExitStack() as settings:
         settings.enter_context(jax.enable_x64(False))
         if interpret:
