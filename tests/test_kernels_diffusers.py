@@ -83,6 +83,16 @@ def test_sd3_transformer_outputs_and_gradients_match():
         _assert_matches(kernel_value, plain_value, cpu_value)
 
 
+def test_compiled_sd3_transformer_keeps_the_kernel_in_one_graph():
+    torch.manual_seed(0)
+    model = tiny_sd3_transformer().eval()
+    plain, kernels = _on_tpu_with_and_without_kernels(model)
+    compiled = torch.compile(kernels, backend="tpu", fullgraph=True)
+    inputs = to_tpu(_sd3_inputs())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**inputs).sample.cpu(), plain(**inputs).sample.cpu(), **CLOSE)
+
+
 def test_flux_transformer_on_the_attention_dispatcher_matches():
     torch.manual_seed(0)
     transformer = tiny_flux_transformer().eval()

@@ -117,3 +117,12 @@ def test_a_model_not_on_tpu_is_refused():
         hf_tpu.kernels.enable(tiny_llama(num_hidden_layers=1))
     with pytest.raises(TypeError, match="takes a transformers model"):
         hf_tpu.kernels.enable(torch.nn.Linear(2, 2).to("tpu"))
+
+
+def test_compiled_models_keep_the_kernels_in_one_graph(llamas, qwen3_moes):
+    """Under torch.compile(fullgraph=True) the kernels are ops of the one graph: same logits as eager."""
+    for plain, kernels in (llamas, qwen3_moes):
+        ids = INPUT_IDS.to("tpu")
+        compiled = torch.compile(kernels, backend="tpu", fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids).logits.cpu(), plain(ids).logits.cpu(), **CLOSE)

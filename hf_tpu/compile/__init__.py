@@ -42,16 +42,19 @@ def _skip_in_dynamo(trace_rules: Any) -> None:
     """Dynamo runs hf_tpu's and JAX's frames without tracing them. The device's Python kernels run
     inside user frames Dynamo watches (eager code between graph breaks, e.g. ``.item()``, or a frame
     Dynamo gave up on), and a kernel's first call traces its lowering with JAX: neither is user code,
-    and Dynamo's emulation of them fails (JAX's ``isinstance`` checks on tracers). The kernel
-    repositories in ``hf_tpu/kernels/hub`` are traced, as any Hub kernel's layers are."""
+    and Dynamo's emulation of them fails (JAX's ``isinstance`` checks on tracers). Model code is traced:
+    the kernel repositories in ``hf_tpu/kernels/hub``, as any Hub kernel's layers are, and the attention
+    and experts functions the kernel wirings register with transformers and diffusers (they call the
+    kernels' torch ops, which graphs hold as they are)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    hub = os.path.join(package, "kernels", "hub")
-    repositories = {os.path.join(hub, name) for name in os.listdir(hub)
-                    if os.path.isdir(os.path.join(hub, name, "build"))}
+    kernels = os.path.join(package, "kernels")
+    hub = os.path.join(kernels, "hub")
+    traced = {os.path.join(hub, name) for name in os.listdir(hub) if os.path.isdir(os.path.join(hub, name, "build"))}
+    traced |= {os.path.join(kernels, name) for name in ("transformers_wiring.py", "diffusers_wiring.py")}
     jax = [location for name in ("jax", "jaxlib") if (spec := importlib.util.find_spec(name)) is not None
            for location in spec.submodule_search_locations or ()]
     trace_rules.SKIP_DIRS.extend(path.replace(os.sep, "/") + ("/" if os.path.isdir(path) else "")
-                                 for path in _paths_besides(package, repositories) + jax)
+                                 for path in _paths_besides(package, traced) + jax)
     trace_rules._recompile_re()
 
 

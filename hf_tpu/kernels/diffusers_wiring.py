@@ -88,18 +88,28 @@ def _sdpa_on_kernel(
 
 
 class _SdpaOnKernel(TorchFunctionMode):
-    """Computes the SDPA calls made inside it with :func:`_sdpa_on_kernel` and counts them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
+    """Computes the SDPA calls made inside it with :func:`_sdpa_on_kernel`."""
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        self.calls += 1
+        self.saw_sdpa()
         return _sdpa_on_kernel(*args, **kwargs)
+
+    def saw_sdpa(self) -> None:
+        pass
+
+
+class _CountingSdpaOnKernel(_SdpaOnKernel):
+    """:class:`_SdpaOnKernel`, counting the calls (eager only: Dynamo does not follow a mode's state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def saw_sdpa(self) -> None:
+        self.calls += 1
 
 
 @functools.cache
@@ -117,7 +127,10 @@ def _pallas_class(processor_class: type) -> type:
 
     @functools.wraps(original)  # the signature: attention modules pass only the keyword arguments it names
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _SdpaOnKernel() as mode:
+        if torch.compiler.is_compiling():
+            with _SdpaOnKernel():
+                return original(self, *args, **kwargs)
+        with _CountingSdpaOnKernel() as mode:
             out = original(self, *args, **kwargs)
         if not mode.calls:
             _warn_no_sdpa(processor_class)
