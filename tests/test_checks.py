@@ -53,6 +53,8 @@ CASES = {
     "fmod": lambda d: torch.fmod(_i(d, 3), _i(d, 0)),
     "nll_loss": lambda d: F.nll_loss(torch.zeros(2, 3, device=d), _i(d, 0, 5)),
     "cross_entropy": lambda d: F.cross_entropy(torch.zeros(2, 3, device=d), _i(d, 0, -2)),
+    "assert_async": lambda d: torch._assert_async(_i(d, 0)),
+    "assert_async_message": lambda d: torch._assert_async(_i(d, 2.0) < 1, "expected {x} < 1"),
 }
 
 
@@ -94,6 +96,7 @@ def test_valid_inputs_raise_nothing():
     assert (_i("tpu", 7.0) // _i("tpu", 0.0)).item() == float("inf")  # float division by zero is defined
     assert F.nll_loss(torch.zeros(2, 3, device="tpu"), _i("tpu", 0, -100)).item() == 0.0  # ignore_index
     assert x[torch.zeros(0, dtype=torch.long, device="tpu")].numel() == 0
+    assert torch._assert_async(_i("tpu", True), "holds") is None
     torch.tpu.synchronize()
 
 

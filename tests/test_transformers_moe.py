@@ -4,6 +4,7 @@ transformers' default grouped_mm experts path in eager and compiled mode."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -160,5 +161,32 @@ def test_compiled_qwen3_moe_is_one_lowered_graph_matching_cpu():
         expected = cpu_model(INPUT_IDS).logits
         actual = compiled(INPUT_IDS.to("tpu")).logits
     stats = compile_stats()
-    assert stats["graphs"] >= 1 and stats["fallbacks"] == 0, stats
+    assert stats["graphs"] == 1 and stats["fallbacks"] == 0, stats  # no break at the experts
     assert_same(actual, expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("experts", ["eager", "batched_mm"])
+def test_compiled_qwen3_moe_with_the_other_experts_implementations_matches_cpu(experts):
+    """transformers' loop over the hit experts (with its device-side asserts) and its gathered bmm, compiled."""
+    cpu_model = tiny_qwen3_moe(torch.float32)
+    cpu_model.set_experts_implementation(experts)
+    compiled = torch.compile(copy.deepcopy(cpu_model).to("tpu"), backend="tpu")
+    reset_compile_stats()
+    with torch.no_grad():
+        expected = cpu_model(INPUT_IDS).logits
+        actual = compiled(INPUT_IDS.to("tpu")).logits
+    assert compile_stats()["fallbacks"] == 0, compile_stats()
+    assert_same(actual, expected, **TOLERANCES[torch.float32])
+
+
+def test_grouped_mm_choice_is_patched_only_where_transformers_lacks_the_tpu_branch():
+    from transformers.integrations import moe
+
+    from hf_tpu.integrations import transformers as integration
+
+    assert moe._can_use_grouped_mm.__module__ == "transformers.integrations.moe"  # 5.24 has the branch
+    older = types.SimpleNamespace(_can_use_grouped_mm=lambda input, weight, offs: weight.device.type == "cuda")
+    integration._install_grouped_mm(older)
+    weight = torch.zeros(2, 2, 2, device="tpu")
+    assert older._can_use_grouped_mm(weight[0], weight, None) is True
+    assert older._can_use_grouped_mm(weight.cpu()[0], weight.cpu(), None) is False

@@ -439,10 +439,10 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     values = result if isinstance(result, (tuple, list)) and len(outs) > 1 else (result,)
                     for i, tensor, value in zip(destinations, outs, values):
                         _store(tensor, value, is_out[i], overlap_ok)
-                if not returns:
-                    return None
                 if returns_written:
                     return outs[0] if len(outs) == 1 else tuple(outs)
+            if not returns:  # in-place ops without a return, and asserts
+                return None
 
             device_index = reader.device_index
             if device_index is None:  # a factory: the result goes to the chip its `device` names

@@ -9,17 +9,23 @@
 - Releases without ``PreTrainedModel._default_compile_config`` compile generate's decode step with
   ``CompileConfig()``'s inductor, which cannot run tpu tensors: there the default becomes the "tpu"
   Dynamo backend with static shapes, as later releases do.
+- A pipeline built from a model on tpu (``pipeline(task, model=model)``, no ``device``) runs where the model
+  is: transformers' default would move it to the CPU (it knows no tpu device index), and a model with sharded
+  weights must not be moved at all.
 - Releases whose ``_can_use_grouped_mm`` has no tpu branch send compiled float32 experts to a Python loop
-  of matmuls; tpu lowers ``aten::_grouped_mm`` for every dtype, eager and compiled, so it is always used.
+  of matmuls; tpu lowers ``aten::_grouped_mm`` for every dtype, eager and compiled, so it is always used
+  (5.24 has the branch: nothing is patched there, and the patch elsewhere is traced by Dynamo).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import struct
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -169,11 +175,29 @@ def _install_compile_default(modeling_utils: Any) -> None:
     model_class.get_compiled_call = get_compiled_call
 
 
+def _traced_by_dynamo(fn: Callable) -> Callable:
+    """``fn``, which Dynamo traces although it skips hf_tpu's files (``torch._dynamo.dont_skip_tracing``)."""
+    import torch._dynamo
+
+    dont_skip_tracing = getattr(torch._dynamo, "dont_skip_tracing", None)
+    return fn if dont_skip_tracing is None else dont_skip_tracing(fn)
+
+
+def _has_tpu_branch(can_use_grouped_mm: Callable) -> bool:
+    """Whether transformers' ``_can_use_grouped_mm`` already accepts tpu weights (5.24 does, first thing)."""
+    probe = types.SimpleNamespace(device=torch.device("tpu"), dtype=torch.float32)
+    try:
+        return can_use_grouped_mm(probe, probe, probe) is True
+    except Exception:  # noqa: BLE001 (a release without the branch reads more than the probe has)
+        return False
+
+
 def _install_grouped_mm(moe: Any) -> None:
     original = getattr(moe, "_can_use_grouped_mm", None)
-    if original is None or getattr(original, "__wrapped__", None) is not None:
+    if original is None or getattr(original, "__wrapped__", None) is not None or _has_tpu_branch(original):
         return
 
+    @_traced_by_dynamo  # hf_tpu's files are skipped: a skipped call in every experts layer breaks the graph
     @functools.wraps(original)
     def can_use_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
         if weight.device.type == "tpu":
@@ -181,6 +205,25 @@ def _install_grouped_mm(moe: Any) -> None:
         return original(input, weight, offs)
 
     moe._can_use_grouped_mm = can_use_grouped_mm
+
+
+def _install_pipeline_device(pipelines_base: Any) -> None:
+    pipeline_class = pipelines_base.Pipeline
+    original = pipeline_class.__init__
+    if getattr(original, "_hf_tpu", False):
+        return
+    device_position = list(inspect.signature(original).parameters).index("device") - 2  # in args: after model
+
+    @functools.wraps(original)
+    def __init__(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        device = getattr(model, "device", None)
+        if (kwargs.get("device") is None and len(args) <= device_position and isinstance(device, torch.device)
+                and device.type == "tpu" and getattr(model, "hf_device_map", None) is None):
+            kwargs["device"] = device
+        original(self, model, *args, **kwargs)
+
+    __init__._hf_tpu = True
+    pipeline_class.__init__ = __init__
 
 
 def _install_loading(modeling_utils: Any) -> None:
@@ -199,3 +242,4 @@ def install(transformers: Any) -> None:
     when_imported("transformers.modeling_utils", _install_compile_default)
     when_imported("transformers.testing_utils", _fill_testing_tables)
     when_imported("transformers.integrations.moe", _install_grouped_mm)
+    when_imported("transformers.pipelines.base", _install_pipeline_device)

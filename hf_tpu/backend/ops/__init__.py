@@ -13,3 +13,4 @@ from . import ctc  # noqa: F401
 from . import ldl  # noqa: F401
 from . import antialias  # noqa: F401
 from . import backward, margin_losses  # noqa: F401
+from . import asserts  # noqa: F401
