@@ -108,6 +108,19 @@ def test_from_pretrained_with_use_kernels_on_tpu(llamas, tmp_path):
         torch.testing.assert_close(loaded(IDS.to("tpu")).logits.cpu(), cpu(IDS).logits, **CLOSE)
 
 
+def test_transformers_kernelize_function_on_tpu(llamas):
+    """transformers 5.24 has no ``model.kernelize()`` method; its function ``hub_kernels.kernelize(model)`` (what
+    ``set_use_kernels`` calls) picks the tpu mapping from the model's device."""
+    from transformers.integrations import hub_kernels
+
+    cpu, _, _ = llamas
+    model = copy.deepcopy(cpu).to("tpu")
+    hub_kernels.kernelize(model)
+    _assert_kernelized(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS.to("tpu")).logits.cpu(), cpu(IDS).logits, **CLOSE)
+
+
 def test_kernel_config_with_a_local_repository(llamas, tmp_path):
     cpu, _, _ = llamas
     cpu.save_pretrained(tmp_path)
