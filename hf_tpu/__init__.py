@@ -24,8 +24,13 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(".kernels.jax_interop", __name__), name)
     if name in ("distribute", "mesh", "placement", "sharding_of"):  # sharded tensors, imported at first use too
         return getattr(importlib.import_module(".sharding", __name__), name)
+    if name == "shard":  # tensor parallelism over local chips, imported at first use too
+        return importlib.import_module(".tp_plans.apply", __name__).shard
+    if name == "tp_plans":
+        return importlib.import_module(".tp_plans", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["distribute", "export", "from_jax", "jax_op", "mesh", "placement", "register", "sharding_of", "to_jax"]
+__all__ = ["distribute", "export", "from_jax", "jax_op", "mesh", "placement", "register", "shard", "sharding_of",
+           "to_jax", "tp_plans"]
 __version__ = "0.1.0"
