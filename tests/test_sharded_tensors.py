@@ -6,12 +6,9 @@ chips): this file is also that subprocess's script (``case_*`` functions, each r
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import traceback
 
+import four_chips
 import pytest
 import torch
 
@@ -353,30 +350,10 @@ def case_linear_stack_trains_like_cpu_compiled():
     assert after["fallbacks"] == before["fallbacks"] and after["calls"] >= before["calls"] + 4  # fwd + bwd, twice
 
 
-def _run_cases() -> dict[str, str]:
-    report = {}
-    for name, case in sorted(globals().items()):
-        if name.startswith("case_"):
-            try:
-                case()
-                report[name] = "ok"
-            except Exception:
-                report[name] = traceback.format_exc()
-    return report
+four_chip_report = four_chips.report_fixture(__file__, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def four_chip_report() -> dict[str, str]:
-    environment = dict(os.environ, HF_TPU_NUM_DEVICES="4", HF_TPU_PLATFORM="cpu", HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-CASES = sorted(name for name in dir() if name.startswith("case_"))
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", four_chips.cases(globals()))
 def test_on_four_chips(four_chip_report, case):
     assert four_chip_report[case] == "ok", four_chip_report[case]
 
@@ -450,4 +427,4 @@ def test_a_device_that_is_not_a_chip_is_refused():
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_cases()))
+    four_chips.main(globals())

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
-import os
-import subprocess
-import sys
-import traceback
 
 import diffusers
+import four_chips
 import pytest
 import torch
 import transformers
@@ -316,31 +312,10 @@ def case_pixart_plan_tp2():
     _shipped_matches("PixArtTransformer2DModel", 2)
 
 
-def _run_cases() -> dict[str, str]:
-    report = {}
-    for name, case in sorted(globals().items()):
-        if name.startswith("case_"):
-            try:
-                case()
-                report[name] = "ok"
-            except Exception:
-                report[name] = traceback.format_exc()
-    return report
+four_chip_report = four_chips.report_fixture(__file__, timeout=400)
 
 
-@pytest.fixture(scope="module")
-def four_chip_report() -> dict[str, str]:
-    environment = dict(os.environ, HF_TPU_NUM_DEVICES="4", HF_TPU_PLATFORM="cpu", HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, __file__], env=environment, capture_output=True, text=True, timeout=400,
-                            cwd=os.path.dirname(__file__))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-CASES = sorted(name for name in dir() if name.startswith("case_"))
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", four_chips.cases(globals()))
 def test_on_four_chips(four_chip_report, case):
     assert four_chip_report[case] == "ok", four_chip_report[case]
 
@@ -448,7 +423,11 @@ def test_more_chips_than_exist_says_how_many_there_are():
         hf_tpu.shard(gqa_llama(), tp_size=count + 1)
     with pytest.raises(ValueError, match=r"tp_size=2 but 1 devices were given"):
         hf_tpu.shard(gqa_llama(), tp_size=2, devices=["tpu:0"])
+    with pytest.raises(ValueError, match=rf"tp_size x dp_size={2 * count} asks for more chips than exist"):
+        hf_tpu.shard(gqa_llama(), tp_size=count, dp_size=2)
+    with pytest.raises(ValueError, match=r"dp_size must be a positive int"):
+        hf_tpu.shard(gqa_llama(), dp_size=0)
 
 
 if __name__ == "__main__":
-    print(json.dumps(_run_cases()))
+    four_chips.main(globals())
