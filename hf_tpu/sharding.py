@@ -24,11 +24,14 @@ row-sharded weight ends in an all-reduce). What to expect::
   no-op, as torch defines it, so ``distribute(t, ["tpu:0"])`` is how to gather onto the first chip.
 - ``torch.tpu.memory_allocated(k)`` counts the bytes of chip ``k``'s shard (a replicated tensor: a whole
   copy on each chip); ``torch.tpu.synchronize(k)`` waits for the sharded programs too.
+- Data parallel on the same mesh: :func:`split_batch` splits a batch's first dim over a mesh axis ("dp"),
+  beside weights sharded over the others; :func:`view_spec` says how a view itself is split.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Sequence, Union
 
 import jax
@@ -40,6 +43,7 @@ from .backend import device_module, runtime, storage
 
 Devices = Union[Sequence[Union[torch.device, str, int]], Mesh, None]
 Spec = Union[PartitionSpec, Sequence[Union[str, Sequence[str], None]], None]
+Batch = Union[torch.Tensor, Mapping, list, tuple]
 
 
 def mesh(devices: Sequence[torch.device | str | int] | None = None, shape: Sequence[int] | None = None,
@@ -69,6 +73,7 @@ def distribute(tensor: torch.Tensor, devices: Devices = None, spec: Spec = None)
     named ``"chips"`` (default: all chips). ``spec``: a ``PartitionSpec``, or per dim of ``tensor`` the mesh
     axis (or tuple of axes) that dim is split over, ``None`` for a whole dim; missing trailing dims and
     ``spec=None`` are whole (replicated on every chip). A one-chip mesh gives an ordinary one-chip tensor.
+    A CPU tensor goes from the host straight to its shards: no chip ever holds it whole.
 
     The result is a new leaf (not connected to ``tensor``'s autograd graph) that requires grad if
     ``tensor`` does; to shard a parameter in place, assign it: ``param.data = distribute(param.data, ...)``.
@@ -84,9 +89,16 @@ def distribute(tensor: torch.Tensor, devices: Devices = None, spec: Spec = None)
     else:
         sharding = NamedSharding(grid, partition)
     source = tensor.detach()
-    if source.device.type != "tpu":
-        source = source.to(torch.device("tpu", first))
-    result = storage.wrap(jax.device_put(storage.read(source), sharding), tensor.dtype, first)
+    from_host = source.device.type == "cpu"
+    if from_host:  # the host array straight onto its shards: no whole copy on any chip
+        from .backend.ops.memory import to_device
+
+        array = to_device(source, tensor.dtype, sharding)
+    else:
+        if source.device.type != "tpu":
+            source = source.to(torch.device("tpu", first))
+        array = jax.device_put(storage.read(source), sharding)
+    result = storage.wrap(array, tensor.dtype, first, transfer=from_host)
     return result.requires_grad_(tensor.requires_grad)
 
 
@@ -101,12 +113,71 @@ def placement(tensor: torch.Tensor) -> tuple[torch.device, ...]:
 
 
 def sharding_of(tensor: torch.Tensor) -> jax.sharding.Sharding | None:
-    """The sharding of a sharded tpu tensor's storage array (a view shares its base's), ``None`` for a tensor
-    on one chip."""
+    """The sharding of a sharded tpu tensor's storage array (a view shares its base's, whose shape may differ:
+    :func:`view_spec` says how the view itself is split), ``None`` for a tensor on one chip."""
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "tpu":
         where = tensor.device if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise TypeError(f"sharding_of takes a tpu tensor, not one on {where}")
     return storage.buffer_of(tensor).sharding
+
+
+def view_spec(tensor: torch.Tensor) -> PartitionSpec | None:
+    """How a sharded tpu tensor is split, per dim of the tensor itself (for a view: its own dims, not its
+    storage's). Views that reorder their whole storage's dims or split a dim in several (``view``,
+    ``transpose``, ``permute``, ``unflatten``) are followed: a split dim's entry goes to its outermost part.
+    ``None`` for a one-chip tensor, and where the tensor is not such a view (a slice, merged dims, a dtype
+    view, a split that does not fall on shard boundaries) or the storage's sharding is not a ``NamedSharding``."""
+    buffer = storage.buffer_of(tensor)
+    sharding, array = buffer.sharding, buffer.array
+    if (not isinstance(sharding, NamedSharding) or array is None or tensor.storage_offset()
+            or tensor.dtype != buffer.dtype or tensor.numel() != array.size):
+        return None
+    entries = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
+    storage_dims, stride = [], 1  # (contiguous stride, size, entry) of each storage dim
+    for size, entry in reversed(tuple(zip(array.shape, entries))):
+        storage_dims.append((stride, size, entry))
+        stride *= size
+    parts_of: dict[int, list[tuple[int, int, int]]] = {}  # storage dim -> (stride, dim, size) of the dims in it
+    for dim, (size, step) in enumerate(zip(tensor.shape, tensor.stride())):
+        if size > 1:
+            owner = next((index for index, (base, length, _) in enumerate(storage_dims)
+                          if base <= step < base * length and step % base == 0), None)
+            if owner is None:
+                return None
+            parts_of.setdefault(owner, []).append((step, dim, size))
+    spec: list = [None] * tensor.dim()
+    for owner, parts in parts_of.items():
+        base, length, entry = storage_dims[owner]
+        covered = base
+        for step, _, size in sorted(parts):
+            if step != covered:
+                return None
+            covered *= size
+        if covered != base * length:
+            return None
+        if entry is not None:
+            _, outermost, size = max(parts)
+            if size % _parts(entry, sharding.mesh):
+                return None
+            spec[outermost] = entry
+    return PartitionSpec(*spec)
+
+
+def split_batch(batch: Batch, mesh: Mesh, axis: str = "dp") -> Batch:
+    """``batch`` with each tensor's first dim split over the mesh axis ``axis`` and whole along the mesh's
+    other axes: data parallel over ``axis`` for a model whose weights are sharded over the others (the SPMD
+    partitioner sums the gradients over ``axis``). ``batch``: a tensor, or a dict, list or tuple of them (as
+    a DataLoader gives); other values in it are returned as they are."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError("split_batch splits the first dim of each tensor, but got a 0-dim tensor: pass it "
+                             "on its own, or hf_tpu.distribute(tensor, mesh) to replicate it")
+        return distribute(batch, mesh, (axis,))
+    if isinstance(batch, Mapping):  # dict, transformers' BatchEncoding
+        return type(batch)({key: split_batch(value, mesh, axis) for key, value in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(split_batch(value, mesh, axis) for value in batch)
+    return batch
 
 
 def _partition_spec(spec: Spec, grid: Mesh) -> PartitionSpec:
@@ -130,8 +201,17 @@ def _check_divisible(shape: tuple[int, ...], partition: PartitionSpec, grid: Mes
         raise ValueError(f"spec {tuple(partition)} has {len(partition)} entries but the tensor has {len(shape)} "
                          "dims: give at most one entry per dim")
     for dim, entry in enumerate(partition):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        parts = math.prod(grid.shape[axis] for axis in axes)
+        axes = _axes(entry)
+        parts = _parts(entry, grid)
         if shape[dim] % parts:
             raise ValueError(f"dim {dim} of size {shape[dim]} cannot be split evenly over {parts} chips (mesh axes "
                              f"{axes}): split a dim whose size is a multiple of {parts}, or use fewer chips")
+
+
+def _axes(entry: str | Sequence[str] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _parts(entry: str | Sequence[str] | None, grid: Mesh) -> int:
+    """How many pieces a dim whose spec entry is ``entry`` is cut into."""
+    return math.prod(grid.shape[axis] for axis in _axes(entry))

@@ -8,16 +8,88 @@ runs on a CPU host is what a TPU runs (images stay within 1e-3 of the CPU pipeli
 
 Patches ``_FP64_UNSUPPORTED_DEVICES`` and ``_DTYPE_UNSUPPORTED_DEVICES`` of
 ``diffusers/utils/torch_utils.py``; a no-op where diffusers already lists tpu.
+
+``from_pretrained(..., device_map="tpu", parallel_config=TensorParallelConfig(tp_degree=N))`` without an
+initialized process group loads into shards over this host's first N chips, one process
+(:func:`_from_pretrained`, :mod:`hf_tpu.integrations.sharded_loading`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import sys
+from typing import Any, Callable
 
 import torch
 
+from . import sharded_loading, when_imported
+
+
+def _single_process_tp(kwargs: dict) -> sharded_loading.ShardedLoad | None:
+    """The load into shards a ``from_pretrained`` call asks for with a ``TensorParallelConfig`` (alone or in a
+    ``ParallelConfig``) and no process group (``parallel_config`` is then taken out of ``kwargs``), ``None``
+    where diffusers' own path applies."""
+    from diffusers.models._modeling_parallel import TensorParallelConfig
+
+    config = kwargs.get("parallel_config")
+    tp = config if isinstance(config, TensorParallelConfig) else getattr(config, "tensor_parallel_config", None)
+    if tp is None or tp.mesh is not None or tp.tp_degree == 1 or sharded_loading.under_torchrun():
+        return None
+    if not sharded_loading.is_first_tpu(kwargs.get("device_map")):
+        raise sharded_loading.needs_tpu_device_map(f"TensorParallelConfig(tp_degree={tp.tp_degree})",
+                                                   kwargs.get("device_map"))
+    load = sharded_loading.ShardedLoad(tp.tp_degree)
+    kwargs.pop("parallel_config")
+    return load
+
+
+def _from_pretrained(original: Callable[..., Any]) -> classmethod:
+    """diffusers 0.42 ``ModelMixin.from_pretrained`` (models/modeling_utils.py l.1235-1249, 1383-1396) shards a
+    ``TensorParallelConfig`` load over a process group that must be initialized (``_resolve_parallel_config``,
+    l.1697-1708). Without one, on tpu, it is an ordinary ``device_map="tpu"`` load whose weights
+    :func:`_set_module_tensor_to_device` puts on their shards."""
+
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        load = _single_process_tp(kwargs)
+        if load is None:
+            return original(cls, *args, **kwargs)
+        with sharded_loading.loading(load):
+            result = original(cls, *args, **kwargs)
+        load.finish(result[0] if isinstance(result, tuple) else result)  # (model, loading info) too
+        return result
+
+    from_pretrained._hf_tpu = True
+    return classmethod(from_pretrained)
+
+
+def _set_module_tensor_to_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    """accelerate's ``set_module_tensor_to_device``, as diffusers 0.42's ``load_model_dict_into_meta`` calls it
+    for each weight (models/model_loading_utils.py l.301): loading into shards, a host weight goes onto its
+    shards first."""
+
+    @functools.wraps(original)
+    def set_module_tensor_to_device(module: torch.nn.Module, tensor_name: str, device: Any,
+                                    value: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        load = sharded_loading.active()
+        if load is not None and value is not None:
+            value = load.place(module, tensor_name, value)
+        return original(module, tensor_name, device, value, *args, **kwargs)
+
+    return set_module_tensor_to_device
+
+
+def _install_sharded_loading(modeling_utils: Any) -> None:
+    model_class = modeling_utils.ModelMixin
+    loading = sys.modules.get("diffusers.models.model_loading_utils")
+    if getattr(model_class.from_pretrained, "_hf_tpu", False) or not hasattr(loading, "set_module_tensor_to_device"):
+        return
+    model_class.from_pretrained = _from_pretrained(model_class.__dict__["from_pretrained"].__func__)
+    loading.set_module_tensor_to_device = _set_module_tensor_to_device(loading.set_module_tensor_to_device)
+
 
 def install(torch_utils: Any) -> None:
+    when_imported("diffusers.models.modeling_utils", _install_sharded_loading)
     unsupported = getattr(torch_utils, "_FP64_UNSUPPORTED_DEVICES", None)
     if unsupported is None or "tpu" in unsupported:
         return

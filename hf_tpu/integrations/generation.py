@@ -9,14 +9,25 @@ to the length it has on any other device (views of the bucketed buffers), so buc
 An explicit ``max_cache_len`` in the generation config is the user's own choice of size: it is used
 as is, not bucketed.
 
+A model with sharded weights (:mod:`hf_tpu.sharding`) gets a static cache sharded like the keys and values
+written into it (usually split by head, as the k/v projections are), instead of the zeros transformers
+allocates on the model's ``device`` (one chip): each step then writes and reads the cache where it lives,
+with no copy between one chip and the mesh, and each chip holds its heads only.
+
 Patches ``GenerationMixin._prepare_cache_for_generation`` and ``GenerationMixin.generate`` of
-``transformers/generation/utils.py`` (transformers 5.x).
+``transformers/generation/utils.py`` and ``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py``
+(transformers 5.x).
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Any
+
+import torch
+from jax.sharding import NamedSharding
+
+from . import when_imported
 
 _SMALLEST = 64
 _LARGEST_POWER_OF_TWO = 2048
@@ -54,8 +65,43 @@ def trim_to_visible_length(cache: Any) -> None:
     delattr(cache, _VISIBLE)
 
 
+def _on_mesh_like(cache: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """A static cache buffer ``(batch, heads, length, head_dim)`` placed like the ``states`` it will hold:
+    split as they are, except along the length (``cache`` itself where ``states`` are on one chip)."""
+    from .. import sharding
+
+    placement = sharding.sharding_of(states)
+    if not isinstance(placement, NamedSharding):
+        return cache
+    spec = list(sharding.view_spec(states) or ())  # a view view_spec cannot follow: replicated on its mesh
+    if len(spec) > 2:
+        spec[2] = None
+    return sharding.distribute(cache, placement.mesh, spec)
+
+
+def _install_sharded_static_cache(cache_utils: Any) -> None:
+    layer = cache_utils.StaticLayer
+    initialize = layer.lazy_initialization
+    if getattr(initialize, "_hf_tpu", False):
+        return
+
+    @functools.wraps(initialize)
+    def lazy_initialization(self: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        initialize(self, key_states, value_states)
+        if key_states.device.type != "tpu" or torch.compiler.is_compiling():
+            return
+        self.keys, self.values = _on_mesh_like(self.keys, key_states), _on_mesh_like(self.values, value_states)
+        torch._dynamo.mark_static_address(self.keys)
+        torch._dynamo.mark_static_address(self.values)
+
+    lazy_initialization._hf_tpu = True
+    layer.lazy_initialization = lazy_initialization
+
+
 def install(module: Any) -> None:
-    """Wraps ``_prepare_cache_for_generation`` and ``generate`` of ``transformers.generation.utils``."""
+    """Wraps ``_prepare_cache_for_generation`` and ``generate`` of ``transformers.generation.utils`` and the
+    static cache's ``lazy_initialization``."""
+    when_imported("transformers.cache_utils", _install_sharded_static_cache)
     mixin = module.GenerationMixin
     prepare = mixin._prepare_cache_for_generation
     generate = mixin.generate

@@ -4,6 +4,10 @@
   device as is (:class:`SafetensorsReader`). transformers' default reader maps the whole file, so every
   page read stays in the process's resident memory until loading ends (on JAX's CPU platform, next to
   the device copy); with this reader peak host memory stays near the checkpoint size.
+- ``from_pretrained(..., device_map="tpu", distributed_config=DistributedConfig(tp_size=N))`` in a process that
+  torchrun did not start loads into shards over this host's first N chips, one process (:func:`_from_pretrained`):
+  each weight is read once and goes from the host straight onto its shards, and the model ends as
+  ``hf_tpu.shard(model, N)`` makes it. Under torchrun (or with a process group) transformers' own path runs.
 - ``testing_utils``' backend tables get the tpu memory functions (5.24 binds only seed, count and
   synchronize).
 - Releases without ``PreTrainedModel._default_compile_config`` compile generate's decode step with
@@ -20,6 +24,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import os
@@ -30,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import when_imported
+from . import sharded_loading, when_imported
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -139,6 +144,98 @@ def _safe_open(original: Callable[..., Any]) -> Callable[..., Any]:
     return safe_open
 
 
+def _single_process_tp(kwargs: dict) -> sharded_loading.ShardedLoad | None:
+    """The :class:`~hf_tpu.integrations.sharded_loading.ShardedLoad` a ``from_pretrained`` call asks for when it is
+    tensor parallel over this host's tpu chips in one process (its tp arguments are then taken out of
+    ``kwargs``), ``None`` when transformers' own path applies: no tensor parallelism, or torchrun's."""
+    from transformers.distributed import DistributedConfig
+
+    config, tp_size, tp_plan = (kwargs.get(key) for key in ("distributed_config", "tp_size", "tp_plan"))
+    if (config is None and tp_size is None and tp_plan is None) or sharded_loading.under_torchrun():
+        return None
+    if config is not None and (tp_size is not None or tp_plan is not None):
+        return None  # transformers says to pass one or the other
+    if config is None:
+        config = DistributedConfig(tp_size=tp_size, tp_plan=tp_plan)
+    elif isinstance(config, dict):
+        config = DistributedConfig.from_dict(config)
+    others = {name: getattr(config, name) for name in ("fsdp_size", "dp_replicate_size", "pp_size", "ep_size")}
+    if config.tp_size == 1 and all(size == 1 for size in others.values()):
+        return None  # nothing to distribute: an ordinary load
+    if any(size != 1 for size in others.values()):
+        raise ValueError(f"DistributedConfig with {others}: in one process (no torchrun) hf_tpu splits a model by "
+                         "tensor parallelism only; pass DistributedConfig(tp_size=N) alone, or launch one process "
+                         "per chip with torchrun for FSDP, pipeline or expert parallelism")
+    if not sharded_loading.is_first_tpu(kwargs.get("device_map")):
+        raise sharded_loading.needs_tpu_device_map(f"tp_size={config.tp_size}", kwargs.get("device_map"))
+    load = sharded_loading.ShardedLoad(config.tp_size, config.tp_plan)
+    for key in ("distributed_config", "tp_size", "tp_plan"):
+        kwargs.pop(key, None)
+    return load
+
+
+def _from_pretrained(original: Callable[..., Any]) -> classmethod:
+    """transformers 5.24 ``PreTrainedModel.from_pretrained`` (modeling_utils.py l.4169-4249) hands any
+    ``distributed_config``/``tp_size`` to ``prepare_distribute_model`` (distributed/mixin.py l.168-191), which
+    refuses a ``device_map`` and then needs torchrun's environment (distributed/utils.py l.113-143). Outside
+    torchrun, on tpu, it is an ordinary ``device_map="tpu"`` load into shards instead
+    (:mod:`hf_tpu.integrations.sharded_loading`; :func:`_spawn_materialize`, :func:`_set_param_for_module`)."""
+
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        load = _single_process_tp(kwargs)
+        if load is None:
+            return original(cls, *args, **kwargs)
+        with sharded_loading.loading(load):
+            model = original(cls, *args, **kwargs)
+        return load.finish(model)
+
+    from_pretrained._hf_tpu = True
+    return classmethod(from_pretrained)
+
+
+def _spawn_materialize(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers 5.24 ``core_model_loading.spawn_materialize`` (l.1469-1494) reads each checkpoint tensor on
+    a thread pool and copies it to its device. Loading into shards, each is read only when its parameter is
+    converted, and stays on the host until :func:`_set_param_for_module` puts it on its shards: one weight at a
+    time on the host, and none whole on any chip."""
+
+    @functools.wraps(original)
+    def spawn_materialize(thread_pool: Any, tensor: Any, device: Any = None, dtype: Any = None,
+                          sharding_op: Any = None, tensor_idx: Any = None) -> Any:
+        if sharded_loading.active() is not None and sharding_op is None:
+            return original(None, tensor, "cpu", dtype, sharding_op=None, tensor_idx=tensor_idx)
+        return original(thread_pool, tensor, device, dtype, sharding_op=sharding_op, tensor_idx=tensor_idx)
+
+    return spawn_materialize
+
+
+def _set_param_for_module(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers 5.24 ``core_model_loading.set_param_for_module`` (l.1568-1613) sets a loaded weight on its
+    module. Loading into shards, a host weight goes onto its shards first."""
+
+    @functools.wraps(original)
+    def set_param_for_module(model: Any, target_name: str, param_value: torch.Tensor, *args: Any,
+                             **kwargs: Any) -> Any:
+        load = sharded_loading.active()
+        if load is not None:
+            param_value = load.place(model, target_name, param_value)
+        return original(model, target_name, param_value, *args, **kwargs)
+
+    return set_param_for_module
+
+
+def _install_sharded_loading(modeling_utils: Any) -> None:
+    model_class = modeling_utils.PreTrainedModel
+    loading = importlib.import_module("transformers.core_model_loading")  # modeling_utils imported it
+    if getattr(model_class.from_pretrained, "_hf_tpu", False) or not all(
+            hasattr(loading, name) for name in ("spawn_materialize", "set_param_for_module")):
+        return
+    model_class.from_pretrained = _from_pretrained(model_class.__dict__["from_pretrained"].__func__)
+    loading.spawn_materialize = _spawn_materialize(loading.spawn_materialize)
+    loading.set_param_for_module = _set_param_for_module(loading.set_param_for_module)
+
+
 def _fill_testing_tables(testing_utils: Any) -> None:
     """Adds the tpu memory functions to ``testing_utils``' backend tables where a release left them out."""
     if getattr(testing_utils, "torch_device", None) is None or not torch.tpu.is_available():
@@ -239,6 +336,7 @@ def _install_loading(modeling_utils: Any) -> None:
 def install(transformers: Any) -> None:
     """Registers the hooks above to run when the transformers modules they patch are imported."""
     when_imported("transformers.modeling_utils", _install_loading)
+    when_imported("transformers.modeling_utils", _install_sharded_loading)
     when_imported("transformers.modeling_utils", _install_compile_default)
     when_imported("transformers.testing_utils", _fill_testing_tables)
     when_imported("transformers.integrations.moe", _install_grouped_mm)

@@ -30,7 +30,7 @@ def shard(model: torch.nn.Module, tp_size: int | None = None, plan: tp_plans.Pla
     """
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int (data-parallel replicas of the model), got {dp_size!r}")
-    chips = _chips(None if tp_size is None else tp_size * dp_size, devices, dp_size)
+    chips = local_chips(None if tp_size is None else tp_size * dp_size, devices, dp_size)
     tp = len(chips) // dp_size
     grid = (sharding.mesh(chips, shape=(dp_size, tp), axis_names=("dp", "tp")) if dp_size > 1
             else sharding.mesh(chips, axis_names=("tp",)))
@@ -58,8 +58,10 @@ def _split_batch(grid: Any, dp_size: int, module: torch.nn.Module, args: tuple, 
     return tuple(split(value) for value in args), {key: split(value) for key, value in kwargs.items()}
 
 
-def _chips(count: int | None, devices: Sequence[torch.device | str | int] | None, dp_size: int) -> list[torch.device]:
-    """``count`` chips (tp_size x dp_size; None: all of them, or ``devices``), divisible into ``dp_size`` groups."""
+def local_chips(count: int | None, devices: Sequence[torch.device | str | int] | None,
+                dp_size: int = 1) -> list[torch.device]:
+    """``count`` tpu chips of this process (tp_size x dp_size; None: all of them, or ``devices``), in ``dp_size``
+    equal groups; an error saying what to change if there are not that many."""
     if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
         raise ValueError(f"tp_size must be a positive int (the number of chips to split over), got {count!r}")
     available = device_module.device_count()

@@ -76,19 +76,25 @@ def hand_over(host: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
-    """Copies a host tensor to a device, converting dtype on the host first (fewer bytes to move)."""
+def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int | jax.sharding.Sharding) -> Any:
+    """Copies a host tensor to a device, converting dtype on the host first (fewer bytes to move).
+    ``device_index`` may be a sharding instead: then each of its chips receives only its shard of the host
+    array (no whole copy on any chip)."""
     target = dtypes.to_jax(dtype)  # raises TypeError for a dtype the device cannot hold
     source = host
     host = host.detach().resolve_conj().resolve_neg()
     if host.dtype != dtype:
         host = host.to(dtype)
     host = host.contiguous()
-    jax_device = runtime.device(device_index)
+    if isinstance(device_index, jax.sharding.Sharding):
+        destination, platform = device_index, next(iter(device_index.device_set)).platform
+    else:
+        destination = runtime.device(device_index)
+        platform = destination.platform
     pointer = host.untyped_storage().data_ptr()
     if pointer in _handed_over:
         _handed_over.discard(pointer)
-    elif jax_device.platform == "cpu" and pointer == source.untyped_storage().data_ptr():
+    elif platform == "cpu" and pointer == source.untyped_storage().data_ptr():
         # JAX's CPU platform aliases suitably aligned host memory even with may_alias=False (jax 0.10),
         # so a later in-place write to the host tensor would change the device tensor: copy first.
         host = host.clone()
@@ -100,7 +106,7 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
         array = host.numpy()
     if array.dtype != target:
         array = array.astype(target)
-    return jax.device_put(array, jax_device, may_alias=False)
+    return jax.device_put(array, destination, may_alias=False)
 
 
 def _transferred(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
