@@ -20,6 +20,7 @@ messages of the program's index checks).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import json
 import os
@@ -80,7 +81,9 @@ def save(exported: ExportedProgram, path: str | os.PathLike, *, platforms: Seque
 
     arguments = [tuple(_abstract(node) for node in nodes) for nodes in (weights.values(), _tensors(inputs))]
     platforms = [platform.lower() for platform in platforms] if platforms is not None else [_current_platform()]
-    jax_program = jax.export.export(jax.jit(run), platforms=platforms)(*arguments)
+    for_chips = runtime.lowering_for_tpu_chips() if platforms == ["tpu"] else contextlib.nullcontext()
+    with for_chips:  # Pallas kernels (jax_op, Hub kernels) lowered by Mosaic for the chips, not interpreted
+        jax_program = jax.export.export(jax.jit(run), platforms=platforms)(*arguments)
     outputs, updates = _describe_outputs(decomposed, graph, inputs, list(weights))
     manifest = {
         "format": _FORMAT, "version": _VERSION, "platforms": platforms,

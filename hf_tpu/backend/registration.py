@@ -29,7 +29,7 @@ def register() -> None:
                 "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
             )
         from .. import compile as graph_mode
-        from .. import integrations
+        from .. import distributed, integrations
         from ..kernels import torch_tpu_shim
         from . import autocast, device_module, engine_hooks, fallback, module_conversion, pinned
 
@@ -50,6 +50,7 @@ def register() -> None:
         integrations.install()
         graph_mode.install()
         torch_tpu_shim.install()  # `from torch_tpu._internal.pallas import jax_op` for Hub kernels
+        distributed.register()  # the c10d backend "tpu_dist", tpu's default
         _registered = True
 
 

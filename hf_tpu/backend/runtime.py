@@ -11,10 +11,12 @@ Nothing here imports JAX until a device is first needed, so ``import torch`` sta
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 logger = logging.getLogger("hf_tpu")
 
@@ -172,21 +174,22 @@ def jax_module() -> Any:
 
 @functools.cache
 def devices() -> tuple[Any, ...]:
-    """The JAX devices that are ``tpu:0`` .. ``tpu:N-1``, in index order."""
+    """The JAX devices that are ``tpu:0`` .. ``tpu:N-1``, in index order: this process's own (local) devices, also
+    under JAX's multi-process runtime (:mod:`hf_tpu.distributed`)."""
     jax = jax_module()
     platform = requested_platform()
     if platform == "auto":
         try:
-            found = jax.devices("tpu")
+            found = jax.local_devices(backend="tpu")
         except RuntimeError:
-            found = jax.devices()
+            found = jax.local_devices()
             logger.warning(
                 "hf_tpu: no TPU found; the 'tpu' device runs on JAX's %s platform (%d device%s).",
                 found[0].platform, len(found), "" if len(found) == 1 else "s",
             )
     else:
         try:
-            found = jax.devices(platform)
+            found = jax.local_devices(backend=platform)
         except RuntimeError as error:
             available = sorted({d.platform for d in jax.devices()})
             raise RuntimeError(
@@ -209,6 +212,27 @@ def devices() -> tuple[Any, ...]:
 
 def device(index: int) -> Any:
     return devices()[index]
+
+
+_for_tpu_chips = threading.local()
+
+
+@contextlib.contextmanager
+def lowering_for_tpu_chips() -> Iterator[None]:
+    """While a program is lowered for TPU chips from another platform (``jax.export(platforms=["tpu"])``):
+    Pallas kernels traced now are lowered by Mosaic, as on the chips, not in TPU interpret mode."""
+    outer = getattr(_for_tpu_chips, "active", False)
+    _for_tpu_chips.active = True
+    try:
+        yield
+    finally:
+        _for_tpu_chips.active = outer
+
+
+def pallas_interpreted() -> bool:
+    """Whether Pallas TPU kernels traced now run in TPU interpret mode: off TPU chips, except while lowering
+    for them (:func:`lowering_for_tpu_chips`)."""
+    return backing_platform() != "tpu" and not getattr(_for_tpu_chips, "active", False)
 
 
 interpreted_kernel_traces = 0

@@ -49,10 +49,19 @@ def _signature(args: tuple) -> tuple:
 
 def problem(fn: Callable[..., Any], args: tuple) -> str | None:
     """Why the jitted ``fn`` applied to ``args`` would not run on a TPU (``None`` if it would)."""
+    # Traced afresh for the chips (Pallas kernels lowered by Mosaic, not interpreted), and afresh again after,
+    # so that this host's own runs do not reuse the chips' trace.
+    retrace = getattr(fn, "clear_cache", None) if runtime.backing_platform() != "tpu" else None
     try:
-        exported = jax.export.export(fn, platforms=["tpu"])(*args)
+        if retrace is not None:
+            retrace()
+        with runtime.lowering_for_tpu_chips():
+            exported = jax.export.export(fn, platforms=["tpu"])(*args)
     except Exception as error:  # noqa: BLE001 (every reason a lowering fails is what we report)
         return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    finally:
+        if retrace is not None:
+            retrace()
     if _FLOAT64.search(exported.mlir_module()):
         return "uses 64-bit floating point (float64/complex128), which TPU chips do not have"
     return None

@@ -25,7 +25,6 @@ import functools
 from typing import Any
 
 import torch
-from jax.sharding import NamedSharding
 
 from . import when_imported
 
@@ -68,6 +67,8 @@ def trim_to_visible_length(cache: Any) -> None:
 def _on_mesh_like(cache: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     """A static cache buffer ``(batch, heads, length, head_dim)`` placed like the ``states`` it will hold:
     split as they are, except along the length (``cache`` itself where ``states`` are on one chip)."""
+    from jax.sharding import NamedSharding  # here: importing an integration must not import JAX
+
     from .. import sharding
 
     placement = sharding.sharding_of(states)

@@ -177,7 +177,7 @@ class _Signature:
 def _pallas_mode() -> contextlib.AbstractContextManager:
     """The context fn is traced in: Pallas' TPU interpret mode off TPU chips, where Mosaic cannot compile
     (a ``pallas_call`` reads the mode when it is traced)."""
-    if runtime.backing_platform() == "tpu":
+    if not runtime.pallas_interpreted():
         return contextlib.nullcontext()
     from jax.experimental.pallas import tpu as pltpu
 

@@ -33,7 +33,8 @@ def interpret_unless_on_tpu(fn: Callable[..., Any], interpret: bool | None = Non
 
     ``fn`` takes positional JAX arrays (or pytrees of them, ``None`` included) and returns arrays;
     bind static arguments with ``functools.partial`` first. ``interpret=None`` runs it in TPU
-    interpret mode unless TPU chips back the device; ``False`` forces the Mosaic path (for a
+    interpret mode unless TPU chips back the device or it is lowered for them
+    (``runtime.lowering_for_tpu_chips``); ``False`` forces the Mosaic path (for a
     ``jax.export`` to TPU from a CPU host), ``True`` forces interpret mode.
 
     ``fn`` is also traced with 64-bit mode off: JAX's TPU kernels are written for 32-bit JAX (their
@@ -43,7 +44,7 @@ def interpret_unless_on_tpu(fn: Callable[..., Any], interpret: bool | None = Non
     ``fn`` under the same settings. Differentiating it works exactly when differentiating ``fn`` does.
     """
     if interpret is None:
-        interpret = runtime.backing_platform() != "tpu"
+        interpret = runtime.pallas_interpreted()
     return functools.partial(_traced_for_tpu, interpret, fn)
 
 

@@ -1,0 +1,116 @@
+"""The collectives as JAX programs over a group's mesh (one device per process, axis ``ranks``).
+
+Each process passes its own local array; :func:`run` makes it its block of a global array and
+runs one jitted ``shard_map`` program in which the body sees this rank's block. Every rank gets back its
+own result (an array on its own device). On TPUs the collective runs over ICI; on CPU hosts over JAX's
+gloo CPU collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXIS = "ranks"
+
+
+def _gathered_reduce(x: Any, op: str) -> Any:
+    """``x`` reduced over the ranks by ``op``, every rank's value first gathered (for ops psum cannot do)."""
+    every = lax.all_gather(x, AXIS)
+    if op == "product":
+        return jnp.prod(every, axis=0, dtype=x.dtype)
+    return (jnp.max if op == "max" else jnp.min)(every, axis=0)
+
+
+def all_reduce(x: Any, op: str) -> Any:
+    """``x`` reduced over the ranks by ``op``: sum, avg, max, min or product."""
+    if op == "sum":
+        return lax.psum(x, AXIS)
+    if op == "avg":
+        return lax.psum(x, AXIS) / jnp.asarray(lax.axis_size(AXIS), x.dtype)
+    if op in ("max", "min") and x.dtype != jnp.bool_:
+        return (lax.pmax if op == "max" else lax.pmin)(x, AXIS)
+    return _gathered_reduce(x, op)
+
+
+def _from_root(x: Any, root: int) -> Any:
+    """Zeros on every rank but ``root``: summed over the ranks, the root's values exactly (x + 0 == x)."""
+    return jnp.where(lax.axis_index(AXIS) == root, x, jnp.zeros_like(x))
+
+
+def all_gather(x: Any) -> Any:
+    """(ranks, *x.shape): every rank's ``x``, in group rank order."""
+    return lax.all_gather(x, AXIS)
+
+
+def reduce_scatter(x: Any, op: str) -> Any:
+    """``x`` of (ranks * k, ...) reduced over the ranks; this rank's k rows of it."""
+    if op in ("sum", "avg"):
+        total = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
+        return total if op == "sum" else total / jnp.asarray(lax.axis_size(AXIS), x.dtype)
+    rows = x.shape[0] // lax.axis_size(AXIS)
+    return lax.dynamic_slice_in_dim(_gathered_reduce(x, op), lax.axis_index(AXIS) * rows, rows)
+
+
+def broadcast(x: Any, root: int) -> Any:
+    wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    return lax.psum(_from_root(wide, root), AXIS).astype(x.dtype)
+
+
+def scatter(x: Any, root: int) -> Any:
+    """``x`` of (ranks * k, ...), meaningful on ``root`` only; this rank's k rows of the root's ``x``."""
+    wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    return lax.psum_scatter(_from_root(wide, root), AXIS, scatter_dimension=0, tiled=True).astype(x.dtype)
+
+
+def all_to_all(x: Any) -> Any:
+    """``x`` of (ranks * k, ...): block j goes to rank j; the result's block i came from rank i."""
+    return lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)
+
+
+def pad_blocks(x: Any, sizes: list[int], width: int) -> Any:
+    """``x``'s consecutive blocks of ``sizes`` rows, each padded with zero rows to ``width``, one after another."""
+    starts = np.cumsum([0, *sizes[:-1]])
+    padding = [(0, 0)] * (x.ndim - 1)
+    return jnp.concatenate([jnp.pad(x[start:start + size], [(0, width - size), *padding])
+                            for start, size in zip(starts, sizes)])
+
+
+def unpad_blocks(x: Any, sizes: list[int], width: int) -> Any:
+    """The inverse of :func:`pad_blocks`: block i's first ``sizes[i]`` rows, one after another."""
+    return jnp.concatenate([x[i * width:i * width + size] for i, size in enumerate(sizes)])
+
+
+KINDS: dict[str, Callable[..., Any]] = {
+    fn.__name__: fn for fn in (all_reduce, all_gather, reduce_scatter, broadcast, scatter, all_to_all)
+}
+
+
+@functools.cache
+def _program(kind: str, mesh: Mesh, static: Any) -> Callable[[Any], Any]:
+    body = KINDS[kind]
+    blocks = PartitionSpec(AXIS)
+
+    def per_rank(block: Any) -> Any:
+        args = () if static is None else (static,)
+        return body(block[0], *args)[None]
+
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=blocks, out_specs=blocks))
+
+
+def run(kind: str, mesh: Mesh, local: Any, static: Any = None) -> Any:
+    """Runs collective ``kind`` (a name in :data:`KINDS`) with this process's ``local`` array (on its device in
+    ``mesh``) and ``static`` (the op name or root rank, or None); returns this rank's result array."""
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    size = mesh.devices.size
+    block = jnp.expand_dims(local, 0)
+    whole = jax.make_array_from_single_device_arrays((size, *local.shape), sharding, [block])
+    result = _program(kind, mesh, static)(whole)
+    return result.addressable_shards[0].data[0]

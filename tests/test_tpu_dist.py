@@ -1,0 +1,299 @@
+"""The ``tpu_dist`` c10d backend (hf_tpu.distributed): collectives on tpu tensors across real processes.
+
+One torchrun launch of 2 processes runs every ``case_*`` function of this file (it is also the workers'
+script); each case compares the collective on tpu tensors (run by JAX) with the same collective on CPU tensors
+(run by Gloo, in the same group) or with the expected values, and each rank reports each case by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
+
+WORLD = 2
+LAUNCH_TIMEOUT_S, WORKER_TIMEOUT_S = 120, 100
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+       "product": dist.ReduceOp.PRODUCT}
+
+
+def _values(rank: int, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Different values on each rank (exact in every dtype used here)."""
+    numel = torch.Size(shape).numel()
+    return (torch.arange(numel, dtype=torch.float32).reshape(shape) * (rank + 2) - 3 * rank).to(dtype)
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.device.type == "tpu", actual.device
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    torch.testing.assert_close(actual.cpu(), expected)
+
+
+def _both(rank: int, *shape: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    host = _values(rank, *shape, dtype=dtype)
+    return host.to("tpu"), host.clone()
+
+
+def case_default_backend_is_tpu_dist():
+    assert dist.get_world_size() == WORLD
+    assert type(dist.group.WORLD).__name__ == "TpuProcessGroup"
+    assert dist.Backend.default_device_backend_map["tpu"] == "tpu_dist"
+    assert dist.group.WORLD.name() == "tpu_dist"
+
+
+def case_all_reduce_matches_gloo():
+    rank = dist.get_rank()
+    for dtype in (torch.float32, torch.int64):
+        for name, op in OPS.items():
+            device, host = _both(rank, 2, 3, dtype=dtype)
+            dist.all_reduce(device, op=op)
+            dist.all_reduce(host, op=op)
+            _same(device, host)
+
+
+def case_all_reduce_avg():
+    rank = dist.get_rank()
+    device, _ = _both(rank, 5)
+    dist.all_reduce(device, op=dist.ReduceOp.AVG)
+    _same(device, (_values(0, 5) + _values(1, 5)) / 2)
+
+
+def case_async_all_reduce_returns_a_work():
+    rank = dist.get_rank()
+    device, host = _both(rank, 4, 2)
+    work = dist.all_reduce(device, async_op=True)
+    assert work.wait() is True and work.is_completed()
+    dist.all_reduce(host)
+    _same(device, host)
+
+
+def case_all_gather_matches_gloo():
+    rank = dist.get_rank()
+    device, host = _both(rank, 3, 2)
+    gathered = [torch.empty(3, 2, device="tpu") for _ in range(WORLD)]
+    expected = [torch.empty(3, 2) for _ in range(WORLD)]
+    dist.all_gather(gathered, device)
+    dist.all_gather(expected, host)
+    for actual, wanted in zip(gathered, expected):
+        _same(actual, wanted)
+    into, into_expected = torch.empty(WORLD * 3, 2, device="tpu"), torch.empty(WORLD * 3, 2)
+    work = dist.all_gather_into_tensor(into, device, async_op=True)
+    work.wait()
+    dist.all_gather_into_tensor(into_expected, host)
+    _same(into, into_expected)
+
+
+def case_reduce_scatter_matches_gloo():
+    rank = dist.get_rank()
+    for name in ("sum", "max"):
+        device, host = _both(rank, WORLD * 2, 3)
+        out, expected = torch.empty(2, 3, device="tpu"), torch.empty(2, 3)
+        dist.reduce_scatter_tensor(out, device, op=OPS[name])
+        dist.reduce_scatter_tensor(expected, host, op=OPS[name])
+        _same(out, expected)
+        listed = list(device.chunk(WORLD))
+        out_list = torch.empty(2, 3, device="tpu")
+        dist.reduce_scatter(out_list, listed, op=OPS[name])
+        _same(out_list, expected)
+
+
+def case_broadcast_from_each_root():
+    rank = dist.get_rank()
+    for root in range(WORLD):
+        for dtype in (torch.float32, torch.int64, torch.bool):
+            device, host = _both(rank, 3, dtype=dtype)
+            dist.broadcast(device, src=root)
+            dist.broadcast(host, src=root)
+            _same(device, host)
+
+
+def case_barrier_and_reduce():
+    dist.barrier()
+    rank = dist.get_rank()
+    device, host = _both(rank, 4)
+    before = device.cpu()
+    dist.reduce(device, dst=1)
+    dist.reduce(host, dst=1)
+    _same(device, host if rank == 1 else before)
+
+
+def case_scatter_and_gather():
+    rank = dist.get_rank()
+    chunks = [_values(k, 2, 2) for k in range(WORLD)]
+    out = torch.empty(2, 2, device="tpu")
+    dist.scatter(out, [c.to("tpu") for c in chunks] if rank == 0 else None, src=0)
+    _same(out, chunks[rank])
+    device, _ = _both(rank, 3)
+    gathered = [torch.empty(3, device="tpu") for _ in range(WORLD)] if rank == 1 else None
+    dist.gather(device, gathered, dst=1)
+    if rank == 1:
+        for k in range(WORLD):
+            _same(gathered[k], _values(k, 3))
+
+
+def case_all_to_all_single_matches_gloo():
+    rank = dist.get_rank()
+    device, host = _both(rank, WORLD * 2, 3)
+    out, expected = torch.empty_like(device), torch.empty_like(host)
+    dist.all_to_all_single(out, device)
+    dist.all_to_all_single(expected, host)
+    _same(out, expected)
+    sends, receives = ([1, 2], [1, 3]) if rank == 0 else ([3, 1], [2, 1])  # uneven, as MoE token routing is
+    device, host = _both(rank, sum(sends), 2)
+    out, expected = torch.empty(sum(receives), 2, device="tpu"), torch.empty(sum(receives), 2)
+    dist.all_to_all_single(out, device, receives, sends)
+    dist.all_to_all_single(expected, host, receives, sends)
+    _same(out, expected)
+
+
+def case_object_collectives():
+    rank = dist.get_rank()
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, {"rank": rank, "name": f"r{rank}"})
+    assert everyone == [{"rank": k, "name": f"r{k}"} for k in range(WORLD)]
+    objects = [("from", rank), 7] if rank == 1 else [None, None]
+    dist.broadcast_object_list(objects, src=1)
+    assert objects == [("from", 1), 7]
+
+
+def case_subgroups():
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1], backend="cpu:gloo,tpu:tpu_dist")
+    device, host = _both(rank, 3)
+    dist.all_reduce(device, group=pair)
+    dist.all_reduce(host, group=pair)
+    _same(device, host)
+    alone = dist.new_group([1])
+    if rank == 1:
+        device, _ = _both(rank, 3)
+        dist.all_reduce(device, group=alone)
+        _same(device, _values(1, 3))
+
+
+def _raises(error: type, message: str, action) -> None:
+    with pytest.raises(error, match=message):
+        action()
+
+
+def case_bad_input_says_what_to_do():
+    rank = dist.get_rank()
+    tpu, cpu = torch.ones(2, device="tpu"), torch.ones(2)
+    _raises(ValueError, r"one device type.*\.to\('tpu'\)", lambda: dist.all_gather([cpu, cpu], tpu))
+    _raises(NotImplementedError, "send of tpu tensors is not supported yet", lambda: dist.send(tpu, 1 - rank))
+    _raises(NotImplementedError, "recv of tpu tensors is not supported yet", lambda: dist.recv(tpu, 1 - rank))
+    _raises(ValueError, "AVG needs a floating-point tensor",
+            lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64, device="tpu"), op=dist.ReduceOp.AVG))
+    _raises(ValueError, r"input_split_sizes \[2, 2\] must be 2 non-negative sizes summing to the input's dim 0",
+            lambda: dist.all_to_all_single(torch.empty(3, device="tpu"), torch.ones(3, device="tpu"), [1, 2], [2, 2]))
+    _raises(ValueError, "needs dim 0 .3. divisible by the group size",
+            lambda: dist.all_to_all_single(torch.empty(3, device="tpu"), torch.ones(3, device="tpu")))
+    dist.barrier()  # every rank still joins the next collective
+
+
+def case_zz_a_rank_that_never_joins_times_out():
+    """Rank 0's wait gives up after its timeout; rank 1 then joins, the collective completes, and a second
+    wait gets its result."""
+    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+    device = torch.ones(2, device="tpu")
+    if rank == 0:
+        work = dist.all_reduce(device, async_op=True)
+        _raises(RuntimeError, r"all_reduce over ranks \[0, 1\] did not finish within .*has not joined",
+                lambda: work.wait(datetime.timedelta(seconds=1)))
+        store.set("timed_out", "1")
+    else:
+        store.wait(["timed_out"])
+        dist.all_reduce(device)
+    dist.barrier()
+    if rank == 0:
+        work.wait()
+    _same(device, torch.full((2,), 2.0))
+
+
+def _run_cases() -> dict[str, str]:
+    dist.init_process_group()  # no backend: tpu's default, tpu_dist
+    report = {}
+    for name, case in sorted((n, f) for n, f in globals().items() if n.startswith("case_")):
+        print(f"rank {dist.get_rank()}: {name}", flush=True)
+        try:
+            case()
+            report[name] = "ok"
+        except Exception:
+            report[name] = traceback.format_exc()
+    dist.destroy_process_group()
+    return report
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """One torchrun launch of 2 processes. torchrun starts each worker in a session of its own: a worker stops
+    itself after WORKER_TIMEOUT_S, and torchrun, past LAUNCH_TIMEOUT_S, is asked to stop them, then killed."""
+    folder = tmp_path_factory.mktemp("tpu_dist")
+    environment = {**os.environ, "HF_TPU_PLATFORM": "cpu", "TPU_DIST_REPORTS": str(folder)}
+    environment.pop("HF_TPU_NUM_DEVICES", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+               "--master-port", str(_free_port()), __file__]
+    launch = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
+    try:
+        output, _ = launch.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        launch.terminate()  # torchrun stops its workers on SIGTERM
+        try:
+            output, _ = launch.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            output, _ = launch.communicate()
+        pytest.fail(f"the 2-process launch ran over {LAUNCH_TIMEOUT_S} s:\n{output[-3000:]}")
+    assert launch.returncode == 0, output[-3000:]
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+CASES = sorted(name for name in globals() if name.startswith("case_"))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_two_processes(reports, rank, case):
+    assert reports[rank][case] == "ok", reports[rank][case]
+
+
+def test_without_torchrun_environment_says_how_to_launch(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"needs torchrun's environment.*torchrun --nproc-per-node N"):
+        dist.init_process_group("tpu_dist", store=dist.HashStore(), rank=0, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_tpu_tensor_before_init_process_group_says_to_init_first(monkeypatch):
+    torch.ones(1, device="tpu").cpu()  # JAX's backends exist now
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="before creating the first tpu tensor"):
+        dist.init_process_group("tpu_dist", store=dist.HashStore(), rank=0, world_size=2)
+
+
+if __name__ == "__main__":
+    faulthandler.dump_traceback_later(WORKER_TIMEOUT_S, exit=True)  # a hung worker shows where, then exits
+    rank_report = _run_cases()
+    with open(os.path.join(os.environ["TPU_DIST_REPORTS"], f"rank{os.environ['RANK']}.json"), "w") as file:
+        json.dump(rank_report, file)
