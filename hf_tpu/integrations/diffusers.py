@@ -48,19 +48,7 @@ def _from_pretrained(original: Callable[..., Any]) -> classmethod:
     ``TensorParallelConfig`` load over a process group that must be initialized (``_resolve_parallel_config``,
     l.1697-1708). Without one, on tpu, it is an ordinary ``device_map="tpu"`` load whose weights
     :func:`_set_module_tensor_to_device` puts on their shards."""
-
-    @functools.wraps(original)
-    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        load = _single_process_tp(kwargs)
-        if load is None:
-            return original(cls, *args, **kwargs)
-        with sharded_loading.loading(load):
-            result = original(cls, *args, **kwargs)
-        load.finish(result[0] if isinstance(result, tuple) else result)  # (model, loading info) too
-        return result
-
-    from_pretrained._hf_tpu = True
-    return classmethod(from_pretrained)
+    return sharded_loading.into_shards(original, _single_process_tp)
 
 
 def _set_module_tensor_to_device(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,9 +12,10 @@ leaves the placed weights where they are.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -110,3 +111,22 @@ def needs_tpu_device_map(what: str, device_map: Any) -> ValueError:
     return ValueError(f"{what} without torchrun shards the model over this host's tpu chips in one process, which "
                       f"needs device_map='tpu' (got device_map={device_map!r}); for another device, or one process "
                       "per chip, launch with torchrun and pass no device_map")
+
+
+def into_shards(original: Callable[..., Any], single_process_tp: Callable[[dict], ShardedLoad | None]) -> classmethod:
+    """A library's ``from_pretrained`` (the function under the classmethod) that, where ``single_process_tp``
+    finds a single-process tensor-parallel load in its keyword arguments (and takes them out), runs the load
+    :func:`loading` it and finishes the model (the result, or its first item: diffusers can return a tuple)."""
+
+    @functools.wraps(original)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        load = single_process_tp(kwargs)
+        if load is None:
+            return original(cls, *args, **kwargs)
+        with loading(load):
+            result = original(cls, *args, **kwargs)
+        load.finish(result[0] if isinstance(result, tuple) else result)
+        return result
+
+    from_pretrained._hf_tpu = True
+    return classmethod(from_pretrained)

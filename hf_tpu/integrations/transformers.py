@@ -180,18 +180,7 @@ def _from_pretrained(original: Callable[..., Any]) -> classmethod:
     refuses a ``device_map`` and then needs torchrun's environment (distributed/utils.py l.113-143). Outside
     torchrun, on tpu, it is an ordinary ``device_map="tpu"`` load into shards instead
     (:mod:`hf_tpu.integrations.sharded_loading`; :func:`_spawn_materialize`, :func:`_set_param_for_module`)."""
-
-    @functools.wraps(original)
-    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        load = _single_process_tp(kwargs)
-        if load is None:
-            return original(cls, *args, **kwargs)
-        with sharded_loading.loading(load):
-            model = original(cls, *args, **kwargs)
-        return load.finish(model)
-
-    from_pretrained._hf_tpu = True
-    return classmethod(from_pretrained)
+    return sharded_loading.into_shards(original, _single_process_tp)
 
 
 def _spawn_materialize(original: Callable[..., Any]) -> Callable[..., Any]:
