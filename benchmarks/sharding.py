@@ -154,7 +154,8 @@ def model_figures(args: argparse.Namespace, tp_sizes: list[int]) -> None:
             rate, same = rates[cache]
             print(f"{'SPMD one process, tp ' + str(tp):<30} {cache:<18} {rate:9.1f} "
                   f"{rate / rates_of[first][cache][0]:7.2f}x {str(same):>22}")
-    print(f"{'tpu_dist one process per chip':<30} {'any':<18} missing: the multi-process backend is not built yet")
+    print(f"{'tpu_dist one process per chip':<30} {'any':<18} "
+          "missing: tpu_dist has collectives, no tensor-parallel model path yet")
     if runtime.backing_platform() == "cpu":
         print("\nThe chips here are virtual CPU devices sharing the host's cores: SPMD tp > 1 cannot be faster on them;"
               "\nits figures show what partitioning and the collectives cost.")
