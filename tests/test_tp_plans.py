@@ -288,28 +288,34 @@ def _shipped_matches(family: str, tp_size: int) -> None:
         _close(output(sharded(**arguments)), output(one_chip(**arguments)))
 
 
-def case_gpt2_plan_tp4():
+def case_gpt2_plan_tp2_and_tp4():
+    _shipped_matches("gpt2", 2)
     _shipped_matches("gpt2", 4)
 
 
-def case_bert_plan_tp4():
+def case_bert_plan_tp2_and_tp4():
+    _shipped_matches("bert", 2)
     _shipped_matches("bert", 4)
 
 
-def case_t5_plan_tp2():
+def case_t5_plan_tp2_and_tp4():
     _shipped_matches("t5", 2)
+    _shipped_matches("t5", 4)
 
 
-def case_unet_plan_tp2():
+def case_unet_plan_tp2_and_tp4():
     _shipped_matches("UNet2DConditionModel", 2)
+    _shipped_matches("UNet2DConditionModel", 4)
 
 
-def case_sd3_plan_tp4():
+def case_sd3_plan_tp2_and_tp4():
+    _shipped_matches("SD3Transformer2DModel", 2)
     _shipped_matches("SD3Transformer2DModel", 4)
 
 
-def case_pixart_plan_tp2():
+def case_pixart_plan_tp2_and_tp4():
     _shipped_matches("PixArtTransformer2DModel", 2)
+    _shipped_matches("PixArtTransformer2DModel", 4)
 
 
 four_chip_report = four_chips.report_fixture(__file__, timeout=400)
