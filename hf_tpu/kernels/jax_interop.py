@@ -274,12 +274,12 @@ class _JaxOp:
         """The jitted forward for these static values (JAX itself caches per shape and dtype)."""
         sharded = {} if self.output_shardings is None else {"out_shardings": self.output_shardings}
         program = jax.jit(self._forward_body(statics), donate_argnums=donated, **sharded)
-        return runtime.waiting_if_interpreted(tpu_lowering.checked(self.name, program))
+        return runtime.waiting(tpu_lowering.checked(self.name, program))  # off chips fn is always interpreted
 
     @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
     def _vjp_program(self, statics: tuple) -> Callable[..., Any]:
         program = jax.jit(self._vjp_body(statics))
-        return runtime.waiting_if_interpreted(tpu_lowering.checked(f"{self.name}_vjp", program))
+        return runtime.waiting(tpu_lowering.checked(f"{self.name}_vjp", program))
 
     # --- eager kernels ------------------------------------------------------------------------------
 
