@@ -1,6 +1,6 @@
 """The ``tpu_dist`` c10d backend (hf_tpu.distributed): collectives on tpu tensors across real processes.
 
-One torchrun launch of 2 processes runs every ``case_*`` function of this file (it is also the workers'
+One torchrun launch of 2 processes (tests/torchrun_cases.py) runs every ``case_*`` function of this file (the workers'
 script); each case compares the collective on tpu tensors (run by JAX) with the same collective on CPU tensors
 (run by Gloo, in the same group) or with the expected values, and each rank reports each case by name.
 """
@@ -8,20 +8,13 @@ script); each case compares the collective on tpu tensors (run by JAX) with the 
 from __future__ import annotations
 
 import datetime
-import faulthandler
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
+import torchrun_cases
 
 WORLD = 2
 LAUNCH_TIMEOUT_S, WORKER_TIMEOUT_S = 120, 100
@@ -221,55 +214,10 @@ def case_zz_a_rank_that_never_joins_times_out():
     _same(device, torch.full((2,), 2.0))
 
 
-def _run_cases() -> dict[str, str]:
-    dist.init_process_group()  # no backend: tpu's default, tpu_dist
-    report = {}
-    for name, case in sorted((n, f) for n, f in globals().items() if n.startswith("case_")):
-        print(f"rank {dist.get_rank()}: {name}", flush=True)
-        try:
-            case()
-            report[name] = "ok"
-        except Exception:
-            report[name] = traceback.format_exc()
-    dist.destroy_process_group()
-    return report
+reports = torchrun_cases.report_fixture(__file__, world=WORLD, timeout=LAUNCH_TIMEOUT_S)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory):
-    """One torchrun launch of 2 processes. torchrun starts each worker in a session of its own: a worker stops
-    itself after WORKER_TIMEOUT_S, and torchrun, past LAUNCH_TIMEOUT_S, is asked to stop them, then killed."""
-    folder = tmp_path_factory.mktemp("tpu_dist")
-    environment = {**os.environ, "HF_TPU_PLATFORM": "cpu", "TPU_DIST_REPORTS": str(folder)}
-    environment.pop("HF_TPU_NUM_DEVICES", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-               "--master-port", str(_free_port()), __file__]
-    launch = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
-    try:
-        output, _ = launch.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        launch.terminate()  # torchrun stops its workers on SIGTERM
-        try:
-            output, _ = launch.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(launch.pid, signal.SIGKILL)
-            output, _ = launch.communicate()
-        pytest.fail(f"the 2-process launch ran over {LAUNCH_TIMEOUT_S} s:\n{output[-3000:]}")
-    assert launch.returncode == 0, output[-3000:]
-    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-
-
-CASES = sorted(name for name in globals() if name.startswith("case_"))
-
-
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", torchrun_cases.cases(globals()))
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_two_processes(reports, rank, case):
     assert reports[rank][case] == "ok", reports[rank][case]
@@ -293,7 +241,4 @@ def test_tpu_tensor_before_init_process_group_says_to_init_first(monkeypatch):
 
 
 if __name__ == "__main__":
-    faulthandler.dump_traceback_later(WORKER_TIMEOUT_S, exit=True)  # a hung worker shows where, then exits
-    rank_report = _run_cases()
-    with open(os.path.join(os.environ["TPU_DIST_REPORTS"], f"rank{os.environ['RANK']}.json"), "w") as file:
-        json.dump(rank_report, file)
+    torchrun_cases.main(globals(), worker_timeout=WORKER_TIMEOUT_S)
