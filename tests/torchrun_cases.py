@@ -13,6 +13,7 @@ using it ends with::
         torchrun_cases.main(globals())
 
 Cases run in name order, after ``dist.init_process_group()`` (no backend argument: tpu's default, ``tpu_dist``).
+A case may return a JSON value (``reports[rank][f"{case}:value"]``) for the test to compare with one process.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ def main(namespace: dict[str, Any], worker_timeout: float = 100, init: bool = Tr
     if init:
         dist.init_process_group()
     report = {}
-    for name in cases(namespace):
+    only = os.environ.get("TORCHRUN_CASES_ONLY")
+    for name in only.split(",") if only else cases(namespace):
         print(f"rank {os.environ['RANK']}: {name}", flush=True)
         try:
-            namespace[name]()
+            value = namespace[name]()
             report[name] = "ok"
-        except Exception:
+            if value is not None:  # what the test compares with one process (JSON)
+                report[f"{name}:value"] = value
+        except (Exception, pytest.fail.Exception):  # pytest.raises and pytest.fail raise outcomes, not Exceptions
             report[name] = traceback.format_exc()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -86,8 +90,11 @@ def launch(path: str, folder: str, world: int = 2, timeout: float = 120, env: di
     return [json.loads(open(os.path.join(folder, f"rank{rank}.json")).read()) for rank in range(world)]
 
 
-def report_fixture(path: str, world: int = 2, timeout: float = 120, env: dict[str, str] | None = None) -> Callable:
-    """A module-scoped fixture: one launch of the module at ``path`` (see :func:`launch`)."""
+def report_fixture(path: str, world: int = 2, timeout: float = 120, env: dict[str, str] | None = None,
+                   only: list[str] | None = None) -> Callable:
+    """A module-scoped fixture: one launch of the module at ``path`` (see :func:`launch`), running every case or
+    the ones named in ``only``."""
+    env = {**(env or {}), **({"TORCHRUN_CASES_ONLY": ",".join(only)} if only else {})}
 
     @pytest.fixture(scope="module")
     def reports(tmp_path_factory: Any) -> list:

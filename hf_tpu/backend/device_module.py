@@ -40,6 +40,8 @@ def _index(device: Any = None) -> int:
         if device.type != "tpu":
             raise ValueError(f"Expected a tpu device, but got: {device}")
         index = current_device() if device.index is None else device.index
+    if index == 0:  # there always is a first chip; counting them would start JAX, which tpu_dist must start
+        return index
     count = device_count()
     if not 0 <= index < count:
         raise RuntimeError(
@@ -170,8 +172,7 @@ def manual_seed(seed: int) -> None:
 
 
 def manual_seed_all(seed: int) -> None:
-    for index in range(max(device_count(), 1)):
-        random_state.manual_seed(seed, index)
+    random_state.manual_seed_all(seed)
 
 
 def seed() -> None:

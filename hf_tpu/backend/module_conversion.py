@@ -31,6 +31,14 @@ def _get_data(self: torch.Tensor) -> torch.Tensor:
     return _tensor_data.__get__(self)
 
 
+def _copied_with_autograd(tensor: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` is ``tensor.to(...)`` made with autograd on (FSDP2's ``tensor.data = tensor.to(device)``):
+    ``new``'s own graph then holds ``tensor`` once, and that graph dies with ``new``."""
+    function = new.grad_fn
+    return function is not None and any(getattr(edge, "variable", None) is tensor for edge, _ in
+                                        function.next_functions)
+
+
 def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
     """``self.data = new``. torch replaces the contents of ``self``'s ``TensorImpl`` in place, which it
     refuses between a tpu and a CPU ``TensorImpl``; there ``self``'s Python object is given a new
@@ -48,7 +56,7 @@ def _set_data(self: torch.Tensor, new: torch.Tensor) -> None:
             f"Cannot set .data of a non-leaf tensor across devices ({self.device} to {new.device}): "
             "move a leaf tensor instead, or use .to() to make a new tensor."
         )
-    if self._use_count() != 1:
+    if self._use_count() != 1 + _copied_with_autograd(self, new):
         raise RuntimeError(
             f"Cannot move .data from {self.device} to {new.device} while an autograd graph still uses this "
             "tensor: torch cannot change a tensor's device in place, and the graph would accumulate its gradient "

@@ -14,15 +14,25 @@ import torch
 _DEFAULT_SEED = 67280421310721  # torch's default_rng_seed_val
 _lock = threading.Lock()
 _states: dict[int, list[int]] = {}
+_seed_of_all = _DEFAULT_SEED  # the seed of every device not seeded since manual_seed_all
 
 
 def _state(device_index: int) -> list[int]:
-    return _states.setdefault(device_index, [_DEFAULT_SEED, 0])
+    return _states.setdefault(device_index, [_seed_of_all, 0])
 
 
 def manual_seed(seed: int, device_index: int) -> None:
     with _lock:
         _states[device_index] = [int(seed) & 0xFFFF_FFFF_FFFF_FFFF, 0]
+
+
+def manual_seed_all(seed: int) -> None:
+    """Seeds every device, without counting them: ``torch.manual_seed`` may come before JAX may start
+    (``tpu_dist`` starts it in ``init_process_group``)."""
+    global _seed_of_all
+    with _lock:
+        _seed_of_all = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+        _states.clear()
 
 
 def seed(device_index: int) -> int:

@@ -44,6 +44,7 @@ def register() -> None:
         _patch_accelerator(device_module)
         module_conversion.install()
         _patch_storage_constructor()
+        _patch_storage_resize()
         pinned.install()
         _explain_device_generators()
         _route_streams_and_events(device_module)
@@ -125,6 +126,32 @@ def _patch_storage_constructor() -> None:
         return torch.empty(args[0] if args else 0, dtype=torch.uint8, device=device).untyped_storage()
 
     torch.UntypedStorage.__new__ = new
+
+
+_storage_resize = torch.UntypedStorage.resize_
+
+
+def _patch_storage_resize() -> None:
+    """``storage.resize_`` of a tpu storage would call ``resizePrivateUse1Bytes``, which the Python hooks cannot
+    provide. FSDP2 frees a gathered parameter with ``resize_(0)`` and brings it back with ``resize_(nbytes)``
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``, ``free_storage``/``alloc_storage``) before writing
+    it whole: ``resize_(0)`` frees the elements, keeping the storage's size, and resizing to that size is a no-op
+    (the next write allocates)."""
+
+    def resize_(self: Any, size: int) -> Any:
+        if self.device.type != "tpu":
+            return _storage_resize(self, size)
+        if size == 0:
+            from . import storage
+
+            storage.buffer_of(torch.empty(0, dtype=torch.uint8, device=self.device).set_(self)).release()
+        elif size != self.nbytes():
+            raise RuntimeError(f"resizing a tpu storage from {self.nbytes()} to {size} bytes is not supported: "
+                               "make a new tensor of the size you need (torch.empty(..., device='tpu')).")
+        return self
+
+    resize_.__doc__ = _storage_resize.__doc__
+    torch.UntypedStorage.resize_ = resize_
 
 
 _GENERATOR_MESSAGE = (

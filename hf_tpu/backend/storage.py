@@ -132,6 +132,16 @@ class Buffer:
             allocator.allocated(self.device_index, self.nbytes)
         self.array, self.pending = None, future
 
+    def release(self) -> None:
+        """Frees the elements but keeps the storage (FSDP's ``storage.resize_(0)`` between uses of a gathered
+        parameter): it is a lazy ``empty`` again, on the same placement, until its next write."""
+        if self.shards is not None:
+            allocator.freed_shards(self.shards)
+            self.shards = None
+        elif self.array is not None or self.pending is not None:
+            allocator.freed(self.device_index, self.nbytes)
+        self.array = self.pending = None
+
     def __del__(self) -> None:
         if not hasattr(self, "array"):  # refused by the allocator: nothing was counted
             return

@@ -5,7 +5,10 @@
   small random-weight Llama, token for token against the CPU.
 - ``hf-tpu generate MODEL_DIR --prompt ...``: greedy generation with a local causal language model.
 - ``hf-tpu embed MODEL_DIR TEXT...``: sentence embeddings and their similarities with a local model.
-- ``hf-tpu info``: what backs the ``tpu`` device, its chips and memory, and the installed versions.
+- ``hf-tpu info``: what backs the ``tpu`` device, its chips and memory, and the installed versions;
+  ``hf-tpu info --chips``: the number of local chips alone.
+- ``hf-tpu launch [--nproc-per-node N] [torchrun options...] script.py [args...]``: torchrun with one process
+  per local chip (:mod:`.launch`).
 
 A bad path or a model the command cannot use ends with one line on stderr and exit status 2.
 """
@@ -58,7 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a Hugging Face model directory")
     embed.add_argument("texts", nargs="+", metavar="TEXT", help="texts to embed")
 
-    commands.add_parser("info", help="show what backs the tpu device, its memory and the installed versions")
+    info = commands.add_parser("info", help="show what backs the tpu device, its memory and the installed versions")
+    info.add_argument("--chips", action="store_true",
+                      help="print only the number of local chips (for torchrun --nproc-per-node)")
+    # Only listed here: launch's arguments are torchrun's, parsed by torchrun's parser (see main).
+    commands.add_parser("launch", add_help=False,
+                        help="run torchrun with one process per local chip: hf-tpu launch [--nproc-per-node N] "
+                        "[torchrun options...] script.py [args...] (hf-tpu launch --help lists the options)")
     return parser
 
 
@@ -75,14 +84,24 @@ def _run(args: argparse.Namespace) -> int:
         from .embeddings import run_embed
 
         return run_embed(args.model_dir, args.texts)
+    if args.command == "launch":
+        from .launch import run_launch
+
+        return run_launch(args.torchrun_args)  # becomes torchrun
     from .info import run_info
 
-    return run_info()
+    return run_info(args.chips)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    if argv[:1] == ["launch"]:  # torchrun's options and the script's own arguments, all for torchrun's parser
+        return argparse.Namespace(command="launch", torchrun_args=list(argv[1:]))
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hf-tpu`` console script."""
-    args = build_parser().parse_args(argv)
+    args = _parse(sys.argv[1:] if argv is None else list(argv))
     try:
         return _run(args)
     except CommandError as error:

@@ -1,4 +1,5 @@
-"""``hf-tpu info``: what backs the ``tpu`` device, its chips and memory, and the installed versions."""
+"""``hf-tpu info``: what backs the ``tpu`` device, its chips and memory, and the installed versions;
+``hf-tpu info --chips``: the number of local chips alone (``torchrun --nproc-per-node $(hf-tpu info --chips)``)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,17 @@ def _gib(size: float) -> str:
     return f"{size / 2**30:.1f} GiB"
 
 
-def run_info() -> int:
-    """Prints the platform, each chip with its memory, and the versions; returns 0."""
+def run_info(chips_only: bool = False) -> int:
+    """Prints the platform, each chip with its memory, and the versions (``chips_only``: the number of local
+    chips, ``torch.tpu.device_count()``, alone on a line); returns 0. This process opens the chips, and frees
+    them when it exits."""
     import torch
 
     import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
 
+    if chips_only:
+        print(torch.tpu.device_count())
+        return 0
     properties = torch.tpu.get_device_properties(0)
     rows = [
         ("device name", torch.tpu.get_device_name(0)),

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import AllgatherOptions, ProcessGroupGloo
 
 from ..backend import storage
 from . import collectives, runtime
@@ -85,7 +85,7 @@ class TpuWork(dist.Work):
                 "the group has not joined it (every rank must call the same collectives in the same order). "
                 "Raise init_process_group(timeout=...) if a rank is just slow.") from None
         for result, output in zip(results, self._outputs):
-            output.copy_(storage.wrap(result, output.dtype, output.device.index).reshape(output.shape))
+            output.detach().copy_(storage.wrap(result, output.dtype, output.device.index).reshape(output.shape))
         self._completed = True
         return True
 
@@ -110,7 +110,20 @@ def _device_type(tensors: Sequence[torch.Tensor], what: str) -> str:
     if kinds == ["tpu"] and len({t.device.index for t in tensors}) != 1:
         raise ValueError(f"tpu_dist: {what} got tensors on several chips ({sorted({str(t.device) for t in tensors})})"
                          "; each process runs a collective on one of its chips: move them to one.")
+    if kinds == ["tpu"]:
+        _check_one_chip_each(tensors, what)
     return kinds[0]
+
+
+def _check_one_chip_each(tensors: Sequence[torch.Tensor], what: str) -> None:
+    """Refuses tpu tensors sharded over several of this process's chips (``hf_tpu.distribute``)."""
+    for tensor in tensors:
+        chips = storage.placement(storage.buffer_of(tensor))
+        if len(chips) > 1:
+            raise ValueError(f"tpu_dist: {what} got a tensor sharded over this process's chips "
+                             f"{', '.join(f'tpu:{chip}' for chip in chips)}; a collective across processes takes a "
+                             "tensor on one chip per process: gather it onto one first with "
+                             f"hf_tpu.distribute(tensor, ['{tensor.device}']).")
 
 
 class TpuProcessGroup(dist.ProcessGroup):
@@ -122,9 +135,17 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._ranks = tuple(global_ranks) or tuple(range(size))
         self._gloo = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        # torch's C++ kernels of the dispatcher's collective ops find it there for CPU tensors.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
     def name(self) -> str:
         return "tpu_dist"
+
+    @property
+    def group_name(self) -> str:
+        """The name torch registered the group under, which functional collectives and Dynamo pass around
+        (torch keeps a group's name on its C++ backends, and a Python group has none)."""
+        return dist.distributed_c10d._get_process_group_name(self)
 
     @functools.cache
     def _mesh(self, index: int) -> Any:
@@ -171,7 +192,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], tensors: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         (outputs,), (tensor,) = output_lists, tensors
         if self._on_cpu("all_gather", [tensor, *outputs]):
             return self._gloo.allgather(output_lists, tensors, opts)
@@ -179,7 +200,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         return self._issue("all_gather", "all_gather", tensors, outputs, finish=self._per_rank)
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         if self._on_cpu("all_gather_into_tensor", [output, tensor]):
             return self._gloo._allgather_base(output, tensor, opts)
         self._check_numel("all_gather_into_tensor", output, tensor.numel() * self.size())

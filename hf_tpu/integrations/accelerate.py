@@ -1,14 +1,16 @@
-"""accelerate: make tpu the default device and give its memory planner the chips' memory.
+"""accelerate: make tpu the default device, give its memory planner the chips' memory, and run under torchrun.
 
 accelerate (1.x) knows TPUs only through torch_xla. Without these hooks ``Accelerator().device`` is the
-CPU unless ``ACCELERATE_TORCH_DEVICE=tpu`` is set, and ``device_map="auto"`` silently loads on the CPU
-because ``get_max_memory`` lists no tpu memory. An explicit ``Accelerator(cpu=True)``, a user's
+CPU unless ``ACCELERATE_TORCH_DEVICE=tpu`` is set, ``device_map="auto"`` silently loads on the CPU
+because ``get_max_memory`` lists no tpu memory, and under torchrun (one process per chip) accelerate sees no
+distributed backend, so ``Trainer`` trains each rank alone. An explicit ``Accelerator(cpu=True)``, a user's
 ``max_memory`` and ``ACCELERATE_TORCH_DEVICE`` keep taking precedence.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable
 
@@ -67,6 +69,59 @@ def _clear_device_cache(original: Callable[..., None]) -> Callable[..., None]:
     return clear_device_cache
 
 
+def _tpu_dist_backend(original: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``PartialState._prepare_backend`` (``accelerate/state.py``) finds no backend for tpu under torchrun; use
+    ``tpu_dist``, with accelerate's ``MULTI_CPU`` type: its code path for an accelerator that accelerate does not
+    name (``DistributedDataParallel`` without ``device_ids``, FSDP on top), the device set by
+    :func:`_tpu_dist_device`."""
+
+    @functools.wraps(original)
+    def prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False,
+                        backend: str | None = None) -> tuple:
+        found, kind = original(self, cpu, sagemaker_dp, backend)
+        under_torchrun = int(os.environ.get("LOCAL_RANK", -1)) != -1
+        if (not cpu and under_torchrun and found in (None, "gloo") and backend in (None, "tpu_dist")
+                and _tpu_available() and torch.accelerator.current_accelerator().type == "tpu"):
+            from accelerate.utils import DistributedType
+
+            return "tpu_dist", DistributedType.MULTI_CPU
+        return found, kind
+
+    return prepare_backend
+
+
+def _tpu_dist_device(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``PartialState.set_device``: a ``tpu_dist`` process drives its own chip, ``tpu:0``."""
+
+    @functools.wraps(original)
+    def set_device(self: Any) -> None:
+        if self.device is None and self.backend == "tpu_dist":
+            self.device = torch.device("tpu", torch.tpu.current_device())
+        original(self)
+
+    return set_device
+
+
+def _tpu_dist_fsdp(original: Callable[..., None]) -> Callable[..., None]:
+    """``AcceleratorState.__init__`` turns on FSDP only for the distributed types it names, not ``MULTI_CPU``:
+    do the same for ``tpu_dist`` (an FSDP plugin, or ``ACCELERATE_USE_FSDP=true``)."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        from accelerate.utils import DistributedType
+
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        wanted = fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        if wanted and self.backend == "tpu_dist" and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+        if fsdp_plugin is not None and self.backend == "tpu_dist" and getattr(self, "fsdp_plugin", None) is None:
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+
+    return __init__
+
+
 def _rebind(package: str, original: Any, replacement: Any) -> None:
     """Replaces ``original`` in every loaded module of ``package`` that imported it by name."""
     for name, module in list(sys.modules.items()):
@@ -78,12 +133,15 @@ def _rebind(package: str, original: Any, replacement: Any) -> None:
 
 def install(accelerate: Any) -> None:
     """Patches accelerate's device choice, memory planner and cache clearing for tpu (idempotent)."""
-    from accelerate.state import PartialState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import memory, modeling
 
     if getattr(modeling.get_max_memory, "__wrapped__", None) is not None:
         return
     PartialState.default_device = property(_default_device(PartialState.default_device.fget))
+    PartialState._prepare_backend = _tpu_dist_backend(PartialState._prepare_backend)
+    PartialState.set_device = _tpu_dist_device(PartialState.set_device)
+    AcceleratorState.__init__ = _tpu_dist_fsdp(AcceleratorState.__init__)
     for original, wrap in (
         (modeling.get_max_memory, _get_max_memory),
         (memory.clear_device_cache, _clear_device_cache),

@@ -16,6 +16,12 @@
 - A pipeline built from a model on tpu (``pipeline(task, model=model)``, no ``device``) runs where the model
   is: transformers' default would move it to the CPU (it knows no tpu device index), and a model with sharded
   weights must not be moved at all.
+- Under torchrun, a ``DistributedConfig(tp_size=N)`` that does not divide the model's heads, key/value heads,
+  intermediate sizes or experts is refused before any weight is split, saying which and the sizes that work
+  (transformers would split them unevenly and compute wrong values).
+- Under torchrun, ``Trainer`` asks ``DistributedDataParallel`` to find unused parameters unless told otherwise
+  (``ddp_find_unused_parameters=None``: a guess made for activation checkpointing), which torch's reducer cannot
+  do for tpu parameters (see ``hf_tpu.distributed.data_parallel``): on tpu that default is False.
 - Releases whose ``_can_use_grouped_mm`` has no tpu branch send compiled float32 experts to a Python loop
   of matmuls; tpu lowers ``aten::_grouped_mm`` for every dtype, eager and compiled, so it is always used
   (5.24 has the branch: nothing is patched there, and the patch elsewhere is traced by Dynamo).
@@ -322,11 +328,60 @@ def _install_loading(modeling_utils: Any) -> None:
     modeling_utils.safe_open = _safe_open(modeling_utils.safe_open)
 
 
+def _tpu_ddp_default(original: Callable[..., dict]) -> Callable[..., dict]:
+    """``Trainer._build_accelerator_args`` (``transformers/trainer.py``) with ``find_unused_parameters=False``
+    for a tpu run whose arguments leave it unset (see the module docstring)."""
+
+    @functools.wraps(original)
+    def build_accelerator_args(self: Any, **kwargs: Any) -> dict:
+        arguments = original(self, **kwargs)
+        if self.args.ddp_find_unused_parameters is None and self.args.device.type == "tpu":
+            for handler in arguments.get("kwargs_handlers", []):
+                if hasattr(handler, "find_unused_parameters"):
+                    handler.find_unused_parameters = False
+        return arguments
+
+    return build_accelerator_args
+
+
+def _checked_tp_size(original: Callable[..., Any]) -> classmethod:
+    """``maybe_distribute_model`` (``transformers/distributed/mixin.py``) on a tpu mesh, after
+    :func:`hf_tpu.tp_plans.check_tp_size` of the model's own plan."""
+    function = original.__func__
+
+    @functools.wraps(function)
+    def maybe_distribute_model(cls: type, model: Any, distributed_config: Any, mesh_manager: Any) -> Any:
+        if mesh_manager is not None and distributed_config.tp_size > 1 and getattr(
+                model, "tp_plan", None) and mesh_manager.get_mesh("tp").device_type == "tpu":
+            from ..tp_plans import check_tp_size
+
+            check_tp_size(model, distributed_config.tp_size)
+        return function(cls, model, distributed_config, mesh_manager)
+
+    return classmethod(maybe_distribute_model)
+
+
+def _install_tp_size_check(modeling_utils: Any) -> None:
+    model_class = modeling_utils.PreTrainedModel
+    current = inspect.getattr_static(model_class, "maybe_distribute_model", None)
+    if isinstance(current, classmethod) and getattr(current.__func__, "__wrapped__", None) is None:
+        model_class.maybe_distribute_model = _checked_tp_size(current)
+
+
+def _install_trainer(trainer: Any) -> None:
+    trainer_class = trainer.Trainer
+    build = getattr(trainer_class, "_build_accelerator_args", None)
+    if build is not None and getattr(build, "__wrapped__", None) is None:
+        trainer_class._build_accelerator_args = _tpu_ddp_default(build)
+
+
 def install(transformers: Any) -> None:
     """Registers the hooks above to run when the transformers modules they patch are imported."""
     when_imported("transformers.modeling_utils", _install_loading)
     when_imported("transformers.modeling_utils", _install_sharded_loading)
     when_imported("transformers.modeling_utils", _install_compile_default)
+    when_imported("transformers.modeling_utils", _install_tp_size_check)
     when_imported("transformers.testing_utils", _fill_testing_tables)
     when_imported("transformers.integrations.moe", _install_grouped_mm)
     when_imported("transformers.pipelines.base", _install_pipeline_device)
+    when_imported("transformers.trainer", _install_trainer)

@@ -102,14 +102,26 @@ def parameter_specs(model: torch.nn.Module, tp_size: int, plan: PlanArg = "auto"
     full names -> styles (each entry must match a module or parameter). Tensors no entry names are whole
     (``PartitionSpec()``). Raises ``ValueError`` saying what to change when ``tp_size`` does not divide the
     heads, key/value heads, intermediate sizes, experts or a split dim, or the plan is malformed."""
+    dims = _checked_split_dims(model, tp_size, plan)
+    return {name: PartitionSpec(*[None] * dim, axis) if dim is not None else PartitionSpec()
+            for name, (dim, _keys) in dims.items()}
+
+
+def check_tp_size(model: torch.nn.Module, tp_size: int, plan: PlanArg = "auto") -> None:
+    """Raises the ``ValueError`` of :func:`parameter_specs` if ``plan`` cannot split ``model`` ``tp_size`` ways
+    (also for the multi-process path, where transformers or diffusers split the weights)."""
+    _checked_split_dims(model, tp_size, plan)
+
+
+def _checked_split_dims(model: torch.nn.Module, tp_size: int,
+                        plan: PlanArg) -> dict[str, tuple[int | None, tuple[str, ...]]]:
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int (the number of chips to split over), got {tp_size!r}")
     entries = _entries(model, plan)
     dims = _split_dims(model, entries)
     if tp_size > 1:
         _check_divisible(model, entries, dims, tp_size)
-    return {name: PartitionSpec(*[None] * dim, axis) if dim is not None else PartitionSpec()
-            for name, (dim, _keys) in dims.items()}
+    return dims
 
 
 def _family(model: torch.nn.Module) -> str:
@@ -292,4 +304,4 @@ def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
-__all__ = ["PLANS", "STYLES", "parameter_specs", "plan_for"]
+__all__ = ["PLANS", "STYLES", "check_tp_size", "parameter_specs", "plan_for"]
