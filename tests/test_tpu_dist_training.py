@@ -1,11 +1,11 @@
-"""Training under torchrun with ``tpu_dist``: 2 processes give the losses and weights of one process.
+"""Training under torchrun with ``tpu_dist``: 2 processes give the losses and gradients of one process.
 
 One 2-process launch (tests/torchrun_cases.py) trains a tiny Llama with DistributedDataParallel and with FSDP2
-(``fully_shard``), each rank on its half of every batch, against the same steps on the whole batches on the CPU
-in the same worker; and transformers' ``Trainer`` with DDP and with FSDP2 through accelerate, against the same
-Trainer run in one process here.
+(``fully_shard``), each rank on its half of every batch, and with transformers' tensor parallelism (DTensor
+weights, the whole batch), against the same steps on the whole batches on the CPU in the same worker; and
+transformers' ``Trainer`` with DDP and with FSDP2 through accelerate, against the same Trainer run in one
+process here.
 """
-
 from __future__ import annotations
 
 import os
@@ -33,10 +33,11 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
 
 
-def _train(model: torch.nn.Module, batches: list[torch.Tensor], device: str) -> tuple[list[float], dict]:
+def _train(model: torch.nn.Module, batches: list[torch.Tensor], device: str,
+           **adamw: object) -> tuple[list[float], dict]:
     """AdamW steps; returns each step's loss, the mean over the whole batch (all ranks' halves: equal token
     counts), and the first step's gradients (after DDP's or FSDP's reduction)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **adamw)
     losses, first_gradients = [], None
     for batch in batches:
         ids = batch.to(device)
@@ -99,6 +100,24 @@ def case_fsdp2_matches_one_process():
     mine = sum(p.to_local().numel() for p in model.parameters())
     assert mine <= whole // WORLD + 64, (mine, whole)  # each rank holds about half (dim 0 padded to even)
     _same_as_one_process(*_train(model, _my_halves(), "tpu"))
+
+
+def case_tensor_parallel_matches_one_process():
+    """transformers' tensor parallelism (DTensor weights, every rank the whole batch): forward, backward and
+    AdamW."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    path = os.path.join(os.environ["TORCHRUN_CASES_REPORTS"], "llama")
+    if dist.get_rank() == 0:
+        tiny_llama().save_pretrained(path)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=WORLD))
+    assert any(type(p).__name__ == "DTensor" and p.placements[0].is_shard() for p in model.parameters())
+    model.train()
+    # transformers leaves the weights it does not split (the norms) plain tensors, which torch's multi-tensor
+    # AdamW cannot mix with DTensors (on every device): one tensor at a time.
+    _same_as_one_process(*_train(model, _batches(), "tpu", foreach=False))
 
 
 class _Tokens(torch.utils.data.Dataset):
