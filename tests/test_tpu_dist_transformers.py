@@ -2,9 +2,10 @@
 distributed_config=DistributedConfig(tp_size=N))`` in N processes against the same model in one process.
 
 Each case saves a tiny model (rank 0, on the CPU), loads it with transformers' own tensor-parallel path (DTensor
-weights, collectives on tpu_dist) and compares logits and greedy tokens, dynamic and static cache, with the
-unsharded model on the CPU in the same worker, and measures how much of the weights each rank holds. One launch
-of 2 processes runs every case; one of 4 processes runs the ones whose models split 4 ways.
+weights, collectives on tpu_dist) and compares logits and greedy tokens, dynamic and static cache (its decode
+steps compiled), with the unsharded model on the CPU in the same worker, and measures how much of the weights
+each rank holds. One launch of 2 processes runs every case; one of 4 processes runs the ones whose models split
+4 ways.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
 import torchrun_cases
+from hf_tpu.compile import compile_stats, reset_compile_stats
 
 PROMPT = torch.tensor([[5, 9, 17, 4, 12], [7, 7, 20, 11, 6]])
 GREEDY = dict(max_new_tokens=6, do_sample=False)
@@ -87,8 +89,11 @@ def _check(name: str, build, **distributed) -> dict:
         torch.testing.assert_close(model(PROMPT.to("tpu")).logits.cpu(), reference(PROMPT).logits, **LOGITS)
     expected = reference.generate(PROMPT, **GREEDY)
     for cache in ("dynamic", "static"):
+        reset_compile_stats()
         tokens = model.generate(PROMPT.to("tpu"), cache_implementation=cache, **GREEDY)
         assert torch.equal(tokens.cpu(), expected), (cache, tokens, expected)
+    stats = compile_stats()  # the static cache's decode steps: compiled, collectives inside, no fallback
+    assert stats["calls"] >= GREEDY["max_new_tokens"] - 1 and stats["fallbacks"] == 0, stats
     return {"rank_bytes": mine, "model_bytes": whole, "split_fraction": split_whole / whole}
 
 
