@@ -14,8 +14,9 @@ size the same weights go on one chip (tp 1, ``.to("tpu")``) or through ``hf_tpu.
 
 Times are the median of ``--repeats`` runs after a warm-up run (which compiles), each ending with the result on
 the host (decode) or ``torch.tpu.synchronize()`` (ops). Ratios: tokens/s over tp 1's (below 1 = slower), µs
-over one chip's (above 1 = slower). The multi-process "tpu_dist" path at the same tp is reported as missing
-until that backend exists. Without TPU chips the chips are ``--chips`` virtual CPU devices (default 4:
+over one chip's (above 1 = slower). The multi-process "tpu_dist" path at the same tp is measured by
+benchmarks/tensor_parallel.py (torchrun processes against this SPMD path, side by side). Without TPU chips
+the chips are ``--chips`` virtual CPU devices (default 4:
 ``HF_TPU_NUM_DEVICES``, set here before torch starts, as is ``HF_TPU_PLATFORM=cpu`` unless libtpu is installed;
 on a TPU VM the first ``--chips`` real chips are used). Virtual chips share the host's cores, so tp > 1 cannot
 be faster on them: the figures there are the cost of partitioning and collectives, not a speed-up.
@@ -155,7 +156,7 @@ def model_figures(args: argparse.Namespace, tp_sizes: list[int]) -> None:
             print(f"{'SPMD one process, tp ' + str(tp):<30} {cache:<18} {rate:9.1f} "
                   f"{rate / rates_of[first][cache][0]:7.2f}x {str(same):>22}")
     print(f"{'tpu_dist one process per chip':<30} {'any':<18} "
-          "missing: tpu_dist has collectives, no tensor-parallel model path yet")
+          "see python benchmarks/tensor_parallel.py (torchrun rows beside SPMD ones)")
     if runtime.backing_platform() == "cpu":
         print("\nThe chips here are virtual CPU devices sharing the host's cores: SPMD tp > 1 cannot be faster on them;"
               "\nits figures show what partitioning and the collectives cost.")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
-NOTEBOOKS = [FOLDER / "quickstart.py", FOLDER / "offloading.py", FOLDER / "pallas_kernels.py", FOLDER / "sharding.py"]
+NOTEBOOKS = [FOLDER / "quickstart.py", FOLDER / "offloading.py", FOLDER / "pallas_kernels.py", FOLDER / "sharding.py",
+             FOLDER / "tensor_parallel.py"]
 
 
 def test_every_notebook_is_run():

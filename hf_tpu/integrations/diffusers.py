@@ -11,7 +11,9 @@ Patches ``_FP64_UNSUPPORTED_DEVICES`` and ``_DTYPE_UNSUPPORTED_DEVICES`` of
 
 ``from_pretrained(..., device_map="tpu", parallel_config=TensorParallelConfig(tp_degree=N))`` without an
 initialized process group loads into shards over this host's first N chips, one process
-(:func:`_from_pretrained`, :mod:`hf_tpu.integrations.sharded_loading`).
+(:func:`_from_pretrained`, :mod:`hf_tpu.integrations.sharded_loading`). Under torchrun (one process per chip),
+diffusers' own tensor parallelism runs on ``tpu_dist`` unchanged; :func:`_checked_tp_degree` only makes
+``enable_parallelism`` name the tp degrees that split the model (``hf_tpu.tp_plans.check_tp_size``).
 """
 
 from __future__ import annotations
@@ -67,6 +69,41 @@ def _set_module_tensor_to_device(original: Callable[..., Any]) -> Callable[..., 
     return set_module_tensor_to_device
 
 
+def _checked_tp_degree(original: Callable[..., Any]) -> Callable[..., Any]:
+    """diffusers 0.42's ``_check_tp_supported`` (hooks/tensor_parallel.py l.371-450), which both tensor-parallel
+    entry points run first: given the model (``enable_parallelism``), on tpu, :func:`hf_tpu.tp_plans.check_tp_size`
+    runs before it, so a degree that does not split the heads (or any planned weight) is refused with the degrees
+    that do. ``from_pretrained`` runs it before the model exists (and before any file is fetched), so there
+    diffusers' own check of the heads applies."""
+
+    @functools.wraps(original)
+    def _check_tp_supported(model_name: str, tp_plan: Any, num_heads: Any, tp_config: Any, *args: Any,
+                            **kwargs: Any) -> None:
+        from diffusers.hooks.tensor_parallel import _tp_degree
+
+        model = kwargs.get("model")
+        degree = _tp_degree(tp_config)
+        if model is not None and tp_plan is not None and degree > 1 and _mesh_device_type(tp_config) == "tpu":
+            from ..tp_plans import check_tp_size
+
+            check_tp_size(model, degree)
+        return original(model_name, tp_plan, num_heads, tp_config, *args, **kwargs)
+
+    return _check_tp_supported
+
+
+def _mesh_device_type(tp_config: Any) -> str:
+    """The device type of the mesh diffusers builds for ``tp_config`` (``_resolve_parallel_config``: the
+    accelerator's, unless the config brings a mesh)."""
+    return tp_config.mesh.device_type if tp_config.mesh is not None else torch._C._get_accelerator().type
+
+
+def _install_tp_degree_check(tensor_parallel: Any) -> None:
+    check = getattr(tensor_parallel, "_check_tp_supported", None)
+    if check is not None and getattr(check, "__wrapped__", None) is None:
+        tensor_parallel._check_tp_supported = _checked_tp_degree(check)
+
+
 def _install_sharded_loading(modeling_utils: Any) -> None:
     model_class = modeling_utils.ModelMixin
     loading = sys.modules.get("diffusers.models.model_loading_utils")
@@ -78,6 +115,7 @@ def _install_sharded_loading(modeling_utils: Any) -> None:
 
 def install(torch_utils: Any) -> None:
     when_imported("diffusers.models.modeling_utils", _install_sharded_loading)
+    when_imported("diffusers.hooks.tensor_parallel", _install_tp_degree_check)
     unsupported = getattr(torch_utils, "_FP64_UNSUPPORTED_DEVICES", None)
     if unsupported is None or "tpu" in unsupported:
         return
