@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -133,8 +133,14 @@ def _first_failure(checks: tuple) -> Any:
     return stacked[jnp.argmax(stacked[:, 0] != 0)]
 
 
+flush_recorded: Callable[[], None] | None = None  # set by fused.py: runs the ops fused eager mode recorded
+
+
 def raise_pending() -> None:
-    """At a host sync: raises the first failed check since the last sync (and forgets the others)."""
+    """At a host sync: raises the first failed check since the last sync (and forgets the others), after
+    running what fused eager mode recorded (its checks are computed then)."""
+    if flush_recorded is not None:
+        flush_recorded()
     if not any(_pending.values()):
         return
     with _pending_lock:

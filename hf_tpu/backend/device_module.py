@@ -152,12 +152,13 @@ class device(contextlib.ContextDecorator):
 
 def synchronize(device: Any = None) -> None:
     """Waits until every computation and copy queued on the device, on every stream, has finished."""
-    from . import checks, storage
+    from . import checks, fused, storage
     from .guard import check_not_forked
     from .out_of_memory import raise_if_out_of_memory
 
     check_not_forked()
     index = _index(device)
+    fused.flush()
     streams.wait_for_copies(index)
     try:
         storage.wait_for_pending(index)
@@ -165,6 +166,22 @@ def synchronize(device: Any = None) -> None:
         raise_if_out_of_memory(error, index)
         raise
     checks.raise_pending()
+
+
+def set_eager_mode(mode: str) -> None:
+    """How eager ops on tpu tensors run: ``"strict"`` (each at once, the default), ``"fused"`` (recorded, and
+    run as one XLA program when a value is needed) or ``"debug"`` (each at once, waiting for its result and
+    raising its failed checks there). Also ``HF_TPU_EAGER_MODE``. What was recorded runs first."""
+    from . import fused
+
+    fused.set_mode(mode)
+
+
+def get_eager_mode() -> str:
+    """``"strict"``, ``"fused"`` or ``"debug"`` (see :func:`set_eager_mode`)."""
+    from . import fused
+
+    return fused.MODE
 
 
 def manual_seed(seed: int) -> None:

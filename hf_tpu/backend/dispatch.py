@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 import torch
 
-from . import checks, device_module, dtypes, runtime, storage, tpu_lowering
+from . import checks, device_module, dtypes, fused, runtime, storage, tpu_lowering
 from . import guard
 from .out_of_memory import raise_if_out_of_memory
 
@@ -185,9 +185,10 @@ class _Inputs:
     op's own jitted program, so a transposed weight costs no extra dispatch.
     """
 
-    __slots__ = ("device_index", "views", "numbers", "read_from", "mixed")
+    __slots__ = ("device_index", "views", "numbers", "read_from", "mixed", "recording")
 
-    def __init__(self) -> None:
+    def __init__(self, recording: bool) -> None:
+        self.recording = recording  # fused eager mode will record the op: pending values may be read
         self.device_index = None
         self.views: list[tuple[tuple[int, int], tuple]] = []
         self.numbers: list[int] = []  # slots holding a Python float or complex (the 2.5 of `x * 2.5`)
@@ -203,7 +204,7 @@ class _Inputs:
             return self._foreign(tensor)
         array = buffer.array
         if array is None:
-            array = buffer.materialize()
+            array = buffer.current() if self.recording else buffer.materialize()
         if self.device_index is None:
             self.device_index = buffer.device_index
         elif buffer.device_index != self.device_index:
@@ -217,12 +218,11 @@ class _Inputs:
 
     def place(self, dynamic: list) -> None:
         """When the inputs are not all on one chip: puts them on one mesh (:func:`on_one_mesh`) in ``dynamic``."""
-        arrays = [array for _, _, array in self.read_from]
+        arrays = [fused.concrete(array) for _, _, array in self.read_from]  # only one-chip chains are recorded
         together = on_one_mesh(arrays, [chip for _, chip, _ in self.read_from])
-        if together is None:
-            return
-        placed, self.device_index = together
-        for ((slot, item), _, old), new in zip(self.read_from, placed):
+        if together is not None:
+            arrays, self.device_index = together
+        for ((slot, item), _, old), new in zip(self.read_from, arrays):
             if new is old:
                 continue
             if item < 0:
@@ -370,7 +370,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def run(*args, **kwargs):
         if guard.forked:
             raise RuntimeError(guard.FORK_MESSAGE)
-        reader = _Inputs()
+        reader = _Inputs(fused.ON and (not entry.calls_kernels or fused.records_kernels()))
         try:
             bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
             for name, value in kwargs.items():
@@ -423,11 +423,17 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 if layout_indices else (),
             )
             fn = compile_for(key)
+            recorded = reader.recording and not reader.mixed
             try:
-                result, check = fn(*dynamic)
+                if recorded:
+                    result, check = fused.record(fn, dynamic, op.name(), _device_of(reader, bound, device_arg))
+                else:
+                    result, check = fn(*dynamic)
             except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
                 raise RuntimeError(f"{op.name()}: {error}") from error
-            if check is not None:
+            if fused.DEBUG:
+                fused.settle(op.name(), result, check)
+            elif check is not None:
                 defer_check(check, reader.device_index or 0)
 
             if destinations:
@@ -446,8 +452,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
 
             device_index = reader.device_index
             if device_index is None:  # a factory: the result goes to the chip its `device` names
-                device_index = device_module._index(bound[device_arg] if device_arg is not None else None)
-                if device_index:
+                device_index = _device_of(reader, bound, device_arg)
+                if device_index and not recorded:  # a recorded chain runs on its chip
                     result = jax.device_put(result, runtime.device(device_index))
             if isinstance(result, (tuple, list)):
                 wrapped = [_wrap(r, device_index) for r in result]
@@ -465,6 +471,13 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
 
 
 _PROGRAM_CACHES: list[Any] = []
+
+
+def _device_of(reader: _Inputs, bound: list, device_arg: int | None) -> int:
+    """The chip an op runs on: its inputs', or for a factory the one its ``device`` names."""
+    if reader.device_index is not None:
+        return reader.device_index
+    return device_module._index(bound[device_arg] if device_arg is not None else None)
 
 
 def eager_program_count() -> int:

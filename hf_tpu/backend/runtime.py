@@ -28,7 +28,9 @@ _CHECKS = {"1": "deferred", "on": "deferred", "deferred": "deferred", "immediate
 
 # Every variable hf_tpu reads; another HF_TPU_* name in the environment is most likely a typo.
 VARIABLES = ("HF_TPU_PLATFORM", "HF_TPU_NUM_DEVICES", "HF_TPU_CACHE_DIR", "HF_TPU_CPU_FALLBACK", "HF_TPU_CHECKS",
-             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING", "HF_TPU_PALLAS")
+             "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING", "HF_TPU_PALLAS",
+             "HF_TPU_EAGER_MODE")
+EAGER_MODES = ("strict", "fused", "debug")
 
 
 def flag(name: str) -> bool:
@@ -58,6 +60,7 @@ def check_environment() -> None:
     requested_platform()
     requested_device_count()
     checks_mode()
+    eager_mode()
     pallas_mode()
     for name in ("HF_TPU_CPU_FALLBACK", "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE"):
         flag(name)
@@ -67,6 +70,16 @@ def check_environment() -> None:
     if unknown:
         logger.warning("hf_tpu: ignoring %s: not a variable hf_tpu reads (those are %s).",
                        ", ".join(unknown), ", ".join(VARIABLES))
+
+
+def eager_mode() -> str:
+    """``HF_TPU_EAGER_MODE``: ``strict`` (the default), ``fused`` or ``debug`` (see :mod:`hf_tpu.backend.fused`)."""
+    value = os.environ.get("HF_TPU_EAGER_MODE", "strict").strip().lower() or "strict"
+    if value not in EAGER_MODES:
+        raise ValueError(f"HF_TPU_EAGER_MODE={value!r} is not one of strict, fused, debug: use strict (each op runs at "
+                         "once), fused (ops recorded and run as one program at a sync) or debug (each op waits for its "
+                         "result and checks it).")
+    return value
 
 
 def pallas_mode() -> str:
@@ -274,6 +287,7 @@ def waiting_if_interpreted(fn: Any) -> Any:
             jax.block_until_ready(result)
         return result
 
+    run.__wrapped__ = fn  # what fused eager mode records, where nothing is interpreted
     return run
 
 

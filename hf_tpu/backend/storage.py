@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import allocator, dlpack_alloc, dtypes, runtime, strided, tpu_lowering
+from . import allocator, dlpack_alloc, dtypes, fused, runtime, strided, tpu_lowering
 
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
@@ -50,6 +50,13 @@ def newest(device_index: int) -> tuple:
     return tuple(a for a in (_latest.get(device_index), _transfers.get(device_index)) if a is not None)
 
 
+def computed(array: Any, device_index: int) -> None:
+    """Records ``array`` as the newest computed on a device (see :func:`newest`)."""
+    _latest[device_index] = array
+    if stream_tracker is not None:
+        stream_tracker(array, device_index)
+
+
 def wait_for_pending(device_index: int) -> None:
     for array in newest(device_index):
         array.block_until_ready()
@@ -60,7 +67,8 @@ class Buffer:
 
     ``array`` holds the storage's elements in the dtype the storage was created with (``dtype``),
     in any shape whose size is ``numel``; it is ``None`` until first written (lazy ``empty``), and
-    while an asynchronous copy on a stream writes it: ``pending`` is then that copy's future array.
+    while an asynchronous copy on a stream writes it: ``pending`` is then that copy's future array; or while a
+    recorded op computes it in fused eager mode: ``pending`` is then its :class:`fused.Lazy` value.
     ``transfer``: ``array`` was just copied from the host (see ``_transfers``).
     """
 
@@ -79,7 +87,9 @@ class Buffer:
         self.device_index = device_index
         if shards is not None:
             device_index = self._spread_over(array, shards)
-        if array is not None:
+        if array.__class__ is fused.Lazy:
+            self.array, self.pending = None, array
+        elif array is not None:
             if transfer:
                 _transfers[device_index] = array
             else:
@@ -90,13 +100,26 @@ class Buffer:
                 _record_on_chips(array, self.shards, transfer)
 
     def materialize(self) -> Any:
-        """The array: waits for a pending copy, allocates zeros for a storage that was never written."""
+        """The array: waits for a pending copy, runs a pending fused eager chain, allocates zeros for a storage
+        that was never written."""
         if self.array is None:
-            if self.pending is not None:
+            if self.pending.__class__ is fused.Lazy:
+                self.set(self.pending.value())
+            elif self.pending is not None:
                 self.set(placed(self, self.pending.result()), transfer=True)
             else:
                 self.set(_zeros(self.numel, dtypes.to_jax(self.dtype), self.device_index))
         return self.array
+
+    def current(self) -> Any:
+        """What an op reads: the array, or in fused eager mode the pending value not computed yet."""
+        array = self.array
+        if array is None:
+            pending = self.pending
+            if pending.__class__ is fused.Lazy and pending.array is None and fused.ON:
+                return pending
+            array = self.materialize()
+        return array
 
     def set(self, array: Any, transfer: bool = False) -> None:
         if self.array is None:
@@ -107,6 +130,9 @@ class Buffer:
                 else:
                     allocator.allocated(self.device_index, self.nbytes)
             self.pending = None  # a write replaces what a pending copy would write
+        if array.__class__ is fused.Lazy:
+            self.array, self.pending = None, array
+            return
         self.array = array
         if transfer:  # as in __init__, inline: this runs for every op's result
             _transfers[self.device_index] = array
@@ -361,17 +387,21 @@ def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
     """Sets the tensor's elements (through its view onto the storage) to ``value``, cast to its dtype;
     ``transfer``: ``value`` was just copied from the host."""
     buffer = buffer_of(tensor)
+    if buffer.sharding is not None:
+        value = fused.concrete(value)
     if is_whole(tensor, buffer):
         target = dtypes.to_jax(tensor.dtype)
         if value.dtype != target or value.shape != tensor.shape:
-            value, transfer = _cast_to(tuple(tensor.shape), target)(value), False
+            value, transfer = fused.apply(_cast_to(tuple(tensor.shape), target), "cast", buffer.device_index, value), \
+                False
         if buffer.sharding is not None and buffer.array is not None and value.shape != buffer.array.shape:
             # written through a whole view of another shape (a flat view)
             value = value.reshape(buffer.array.shape)
         buffer.set(placed(buffer, value), transfer)
         return
-    array = buffer.materialize()
-    buffer.set(placed(buffer, _view_writer(view_geometry(tensor, buffer))(array, beside(buffer, value))))
+    writer = _view_writer(view_geometry(tensor, buffer))
+    buffer.set(placed(buffer, fused.apply(writer, "view write", buffer.device_index, buffer.current(),
+                                          beside(buffer, value))))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)

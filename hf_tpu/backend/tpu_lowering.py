@@ -43,7 +43,8 @@ _FLOAT64 = re.compile(r"x(f64|complex<f64>)>|<(f64|complex<f64>)>")
 
 
 def _signature(args: tuple) -> tuple:
-    return tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") else (type(leaf), leaf)
+    return tuple((leaf.shape, str(leaf.dtype)) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+                 else (type(leaf), leaf)  # a static value, e.g. a DTensor graph's DeviceMesh
                  for leaf in jax.tree_util.tree_leaves(args))
 
 
@@ -106,4 +107,5 @@ def checked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         check(name, fn, args)
         return result
 
+    run.__wrapped__ = fn  # fused eager mode calls it inside a chain's program, which is checked as a whole
     return run

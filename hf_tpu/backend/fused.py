@@ -1,0 +1,442 @@
+"""Fused eager: ops on tpu tensors recorded, and run as one XLA program when a value is needed.
+
+``torch.tpu.set_eager_mode(mode)`` (or ``HF_TPU_EAGER_MODE``) chooses how eager ops run:
+
+- ``strict`` (the default): each op runs its own cached ``jax.jit`` program at once;
+- ``fused``: each op built from a lowering (:func:`dispatch.build_kernel`) is *recorded*: its jitted program
+  (the very function strict mode would call) and its inputs are appended to a chain, and its results are
+  :class:`Lazy` values (shape and dtype known, elements not computed) that storages hold in place of arrays. The
+  chain runs as one ``jax.jit`` of the recorded programs, in order, when a value is needed: a storage read that
+  needs an array (``.item()``, ``.cpu()``, printing, hand-written kernels and fallbacks reading their inputs,
+  collectives, compiled graphs), ``torch.tpu.synchronize()``, a host sync of the deferred checks, an op on
+  another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops. Programs are cached by the
+  chain's structure (the programs, which inputs feed which op, the inputs' shapes and dtypes, which results are
+  still referenced), least recently used evicted past :data:`PROGRAM_CACHE_SIZE`, so a loop body recorded again
+  runs the program built for it the first time;
+- ``debug``: strict, and each op waits for its result and raises its failed checks at once, so an error points
+  at the line that issued it.
+
+Values are immutable, so a recorded op sees what its inputs held when it was recorded, whatever is written to
+their storages later; views, in-place ops and aliasing go through the same storage reads and writes as in strict
+mode (a write through a view is recorded as the view-writer program strict mode runs). Shapes and dtypes are
+inferred at record time (the op's program is traced then, once per input signature, and the chain runs that very
+trace, whatever global state its lowering reads changes later), so tracing errors are raised by the
+op's own line. An error when a chain runs is located by running its ops one by one, and names the op and the
+source line that recorded it. A chain is recorded under one lock: the autograd engine records backward ops from
+its own thread into the same chain, in issue order.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable
+
+import jax
+import jax.extend
+import numpy as np
+import torch
+
+from . import checks, runtime, storage, tpu_lowering
+from .out_of_memory import raise_if_out_of_memory
+
+MODES = runtime.EAGER_MODES
+MODE = "strict"
+ON = False  # MODE == "fused": read by every kernel, so a plain module flag
+DEBUG = False  # MODE == "debug"
+
+MAX_OPS = 1024
+"""A chain this long runs before more is recorded (bounds the inputs it keeps alive and its compile time)."""
+
+PROGRAM_CACHE_SIZE = 256
+"""How many chain programs are kept, least recently used evicted first."""
+
+
+class Lazy:
+    """A value of the chain being recorded: output ``slot`` of it, with the shape and dtype it will have.
+
+    Stored by a :class:`storage.Buffer` as its ``pending`` contents; ``array`` is set when the chain runs.
+    """
+
+    __slots__ = ("slot", "shape", "dtype", "size", "signature", "sharding", "array", "chain", "__weakref__")
+
+    def value(self) -> Any:
+        """The computed array: runs the chain first if it has not run."""
+        if self.array is None:
+            with _lock:  # waits for a run in progress on another thread
+                if self.array is None and self.chain is _chain:
+                    _restart(_chain.device)
+            if self.array is None:
+                raise _failed(self)
+        return self.array
+
+
+def concrete(value: Any) -> Any:
+    """``value`` with a :class:`Lazy` value replaced by its array (the chain runs if needed)."""
+    return value.value() if value.__class__ is Lazy else value
+
+
+def _failed(value: Lazy) -> RuntimeError:
+    return RuntimeError(f"this tensor's value was never computed: its fused eager chain failed ({value.chain.error})")
+
+
+class _Op:
+    """One recorded call: ``trace`` (a :class:`_Trace`) of the values in slots ``refs`` (a tuple of slots for a list
+    argument), its result's leaves in slots from ``first`` on; ``outputs``: weak references to their values."""
+
+    __slots__ = ("trace", "refs", "first", "name", "line", "outputs")
+
+
+class _Chain:
+    """The ops recorded since the last run, on one chip."""
+
+    def __init__(self, device: int | None) -> None:
+        self.device = device
+        self.ops: list[_Op] = []
+        # The concrete values the chain reads, one slot each; but an array an op reads twice is two parameters of
+        # the program, as in strict mode (XLA may compile an op differently when two of its operands are one value,
+        # e.g. divisions by one shared divisor as multiplications by its reciprocal).
+        self.inputs: list[Any] = []
+        self.input_slots: list[int] = []
+        self.input_signatures: list[tuple] = []
+        self.slot_of: dict[int, tuple[int, tuple]] = {}  # id(input) -> (slot, signature); inputs are kept alive
+        self.slots = 0
+        self.checks = 0  # ops with a check output
+        self.error: BaseException | None = None
+
+    def ref(self, value: Any, used: list[int]) -> tuple[Any, Any]:
+        """The slot of a value an op reads, and its signature; ``used``: the input slots the op reads already."""
+        if value is None:
+            return None, None
+        if value.__class__ is Lazy:
+            if value.array is None:
+                if value.chain is not self:
+                    raise _failed(value)
+                return value.slot, value.signature
+            value = value.array
+        found = self.slot_of.get(id(value))
+        if found is None or found[0] in used:
+            found = (self.slots, _signature(value))
+            self.slot_of.setdefault(id(value), found)
+            self.slots += 1
+            self.inputs.append(value)
+            self.input_slots.append(found[0])
+            self.input_signatures.append(found[1])
+        used.append(found[0])
+        return found
+
+
+def _signature(value: Any) -> tuple:
+    """What a program traced for ``value`` depends on: shape, dtype and weak type; a Python number's type."""
+    kind = _kinds.get(value.__class__)
+    if kind is None:  # isinstance(jax.Array) is slow: each class is classified once
+        kind = _kinds[value.__class__] = "jax" if isinstance(value, jax.Array) else (
+            "numpy" if isinstance(value, np.ndarray) else "number")
+    if kind == "jax":
+        return (value.shape, value.dtype, value.weak_type)
+    if kind == "numpy":
+        return (value.shape, value.dtype, False)
+    return (value.__class__,)
+
+
+_kinds: dict[type, str] = {}
+
+
+def _abstract(value: Any, signature: tuple | None) -> Any:
+    if signature is None or len(signature) == 1:
+        return value  # None, or a Python number: traced as a weakly typed scalar, as a jitted call does
+    return jax.ShapeDtypeStruct(signature[0], signature[1], weak_type=signature[2])
+
+
+_lock = threading.RLock()
+_chain = _Chain(None)
+_traces: OrderedDict = OrderedDict()  # (program, input signatures) -> its trace (see _traced)
+_programs: OrderedDict = OrderedDict()  # chain structure -> jitted chain program
+_STATS = ("ops", "flushes", "program_hits", "program_misses")
+_stats = dict.fromkeys(_STATS, 0)
+_shardings: dict[int, Any] = {}
+
+
+def _unchecked(fn: Callable) -> Callable:
+    """The jitted function behind the wrappers of :func:`tpu_lowering.checked` (a chain's program is checked as a
+    whole) and :func:`runtime.waiting_if_interpreted` (recorded only where nothing is interpreted)."""
+    while not hasattr(fn, "trace"):
+        fn = fn.__wrapped__
+    return fn
+
+
+class _Trace:
+    """An op's program traced for one input signature: ``jaxpr`` (closed, of the flattened inputs), the structure
+    of its result (``None`` for one array), per result leaf (shape, dtype, signature, size), ``check``: whether the
+    last output is a check."""
+
+    __slots__ = ("jaxpr", "tree", "leaves", "check")
+
+
+def _traced(fn: Callable, call: Any, signature: tuple, pair: bool) -> _Trace:
+    """``fn`` (jitted) traced for values of ``signature``, as strict mode's call of it would trace it; cached."""
+    key = (fn, signature)
+    found = _traces.get(key)
+    if found is not None:
+        return found
+    abstract = [
+        tuple(_abstract(v, s) for v, s in zip(value, sig)) if value.__class__ is tuple else _abstract(value, sig)
+        for value, sig in zip(call, signature)
+    ]
+    traced = _unchecked(fn).trace(*abstract)
+    result, check = traced.out_info if pair else (traced.out_info, None)
+    leaves, tree = jax.tree_util.tree_flatten(result)
+    found = _Trace()
+    found.jaxpr, found.check = traced.jaxpr, check is not None
+    found.tree = None if jax.tree_util.treedef_is_leaf(tree) and leaves else tree
+    found.leaves = tuple((leaf.shape, leaf.dtype, (leaf.shape, leaf.dtype, leaf.weak_type), int(np.prod(leaf.shape)))
+                         for leaf in leaves)
+    _traces[key] = found
+    if len(_traces) > storage.PROGRAMS_PER_CACHE:
+        _traces.popitem(last=False)
+    return found
+
+
+_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+_internal_code: dict[int, tuple[Any, bool]] = {}  # id(code) -> (code, in torch or hf_tpu); a code object's hash is slow
+
+
+def _user_line() -> tuple[str, int] | None:
+    """The innermost caller outside torch and hf_tpu: the line that issued the op being recorded."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        known = _internal_code.get(id(code))
+        if known is None or known[0] is not code:
+            known = _internal_code[id(code)] = (code, code.co_filename.startswith(_INTERNAL))
+        if not known[1]:
+            return code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -> Any:
+    """Records ``fn(*call)`` (a jitted program; ``call`` holds arrays, :class:`Lazy` values, Python numbers,
+    ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
+    ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
+    with _lock:
+        chain = _chain
+        if chain.device != device or len(chain.ops) >= MAX_OPS:
+            chain = _restart(device)
+        refs, signature, used = [], [], []
+        for value in call:
+            if value.__class__ is tuple:
+                found = [chain.ref(item, used) for item in value]
+                refs.append(tuple(slot for slot, _ in found))
+                signature.append(tuple(sig for _, sig in found))
+            else:
+                slot, sig = chain.ref(value, used)
+                refs.append(slot)
+                signature.append(sig)
+        trace = _traced(fn, call, tuple(signature), pair)
+        op = _Op()
+        op.trace, op.refs, op.first, op.name = trace, tuple(refs), chain.slots, name
+        op.line = _user_line()
+        sharding = _shardings.get(device)
+        if sharding is None:
+            sharding = _shardings[device] = jax.sharding.SingleDeviceSharding(runtime.device(device))
+        handles = []
+        for shape, dtype, sig, size in trace.leaves:
+            handle = Lazy()
+            handle.slot, handle.shape, handle.dtype, handle.signature = chain.slots, shape, dtype, sig
+            handle.size, handle.sharding, handle.array, handle.chain = size, sharding, None, chain
+            chain.slots += 1
+            handles.append(handle)
+        op.outputs = [weakref.ref(handle) for handle in handles]
+        chain.ops.append(op)
+        _stats["ops"] += 1
+        if trace.check:
+            chain.checks += 1
+            if checks.MODE == "immediate":  # each failing op raises at once: run it now
+                _restart(device)
+        result = handles[0] if trace.tree is None else jax.tree_util.tree_unflatten(trace.tree, handles)
+    return (result, None) if pair else result
+
+
+@functools.cache
+def records_kernels() -> bool:
+    """Whether ops whose lowering may call a Pallas kernel are recorded: unless the kernels run interpreted, where
+    their programs must wait for their results (:func:`runtime.waiting`)."""
+    return not runtime.pallas_kernels() or runtime.backing_platform() == "tpu"
+
+
+def apply(fn: Callable, name: str, device: int, *args: Any) -> Any:
+    """``fn(*args)`` for a jitted storage program (a view write, a cast): recorded when an argument is pending."""
+    if any(arg.__class__ is Lazy and arg.array is None for arg in args):
+        return record(fn, args, name, device, pair=False)
+    return fn(*(concrete(arg) for arg in args))
+
+
+def flush() -> None:
+    """Runs the recorded chain, if any (a sync point)."""
+    with _lock:
+        if _chain.ops:
+            _restart(_chain.device)
+
+
+def _restart(device: int | None) -> _Chain:
+    """Starts a new chain on ``device`` after running the current one."""
+    global _chain
+    previous, _chain = _chain, _Chain(device)
+    if previous.ops:
+        _run(previous)
+    return _chain
+
+
+def _run(chain: _Chain) -> None:
+    live = [handle for op in chain.ops for ref in op.outputs if (handle := ref()) is not None]
+    if not live and not chain.checks:
+        _release(chain)
+        return
+    live_slots = tuple(handle.slot for handle in live)
+    key = (tuple((op.trace, op.refs) for op in chain.ops), tuple(chain.input_slots),
+           tuple(chain.input_signatures), live_slots)
+    program = _programs.get(key)
+    if program is None:
+        _stats["program_misses"] += 1
+        program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots)
+        while len(_programs) > PROGRAM_CACHE_SIZE:
+            _programs.popitem(last=False)
+    else:
+        _stats["program_hits"] += 1
+        _programs.move_to_end(key)
+    _stats["flushes"] += 1
+    try:
+        outputs, check = program(*chain.inputs)
+        if chain.device:  # a chain of factories alone runs on the default device
+            outputs = jax.device_put(outputs, runtime.device(chain.device))
+    except Exception as error:
+        chain.error = error
+        values: dict[int, Any] = dict(zip(chain.input_slots, chain.inputs))
+        located = _located(chain, error, values)
+        for handle in live:  # the ops before the failing one have their results, as in strict mode
+            if handle.slot in values:
+                handle.array, handle.chain = values[handle.slot], None
+        _release(chain)
+        raise located from error
+    for handle, array in zip(live, outputs):
+        handle.array, handle.chain = array, None
+    _release(chain)
+    if outputs:
+        storage.computed(outputs[-1], chain.device)
+    if check is not None:
+        checks.defer(check, chain.device)
+
+
+def _release(chain: _Chain) -> None:
+    """A chain that ran keeps no inputs and no ops."""
+    chain.ops, chain.inputs, chain.slot_of = [], [], {}
+
+
+def _resolve(refs: tuple, values: Any) -> list:
+    return [values[ref] if ref.__class__ is int else (
+        None if ref is None else tuple(None if item is None else values[item] for item in ref)) for ref in refs]
+
+
+def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) -> Callable:
+    """One jitted program running the chain's ops in order: the inputs in, the live results and one check out.
+
+    Each op runs as the taken branch of a conditional on ``gate`` (an input, always true): XLA fuses within a
+    branch but not across, so each op's arithmetic is compiled as in its own program (a fused loop could contract
+    one op's ``x * y`` and the next one's ``+ z`` into a fused multiply-add, which rounds differently), and the
+    results are those of strict mode, bit for bit."""
+    plan = [(op.trace, op.refs, op.first) for op in ops]
+
+    def chain_program(gate, *inputs):
+        values = [None] * slots
+        for slot, value in zip(input_slots, inputs):
+            values[slot] = value
+        found = []
+        for trace, refs, first in plan:
+            outputs = _isolated(gate, trace.jaxpr, jax.tree_util.tree_leaves(_resolve(refs, values)))
+            if trace.check:
+                found.append(outputs.pop())
+            values[first:first + len(outputs)] = outputs
+        return [values[slot] for slot in live_slots], (checks._first_failure(tuple(found)) if found else None)
+
+    program = tpu_lowering.checked("fused eager chain", jax.jit(chain_program))
+    return lambda *inputs: program(_gate(), *inputs)
+
+
+def _isolated(gate: Any, jaxpr: Any, args: list) -> list:
+    """Traced: the outputs of ``jaxpr`` (closed) on ``args`` as the branch a conditional on ``gate`` takes (see
+    :func:`_build`); the other branch gives zeros. Branches must give the same types, so weakly typed outputs (of
+    Python numbers alone) leave the conditional strongly typed and are made weak again after it (conversions to
+    their own dtype: no-ops in HLO)."""
+    from jax._src.lax import lax as lax_internal  # weakly-typed conversion: no public API makes one
+
+    avals = jaxpr.out_avals
+    run = jax.extend.core.jaxpr_as_fun(jaxpr)
+    outputs = jax.lax.cond(
+        gate, lambda *a: [jax.lax.convert_element_type(x, x.dtype) for x in run(*a)],
+        lambda *_: [jax.numpy.zeros(aval.shape, aval.dtype) for aval in avals], *args)
+    return [lax_internal._convert_element_type(x, aval.dtype, weak_type=True) if aval.weak_type else x
+            for x, aval in zip(outputs, avals)]
+
+
+@functools.cache
+def _gate() -> Any:
+    return jax.numpy.asarray(True)
+
+
+def _located(chain: _Chain, error: Exception, values: dict[int, Any]) -> Exception:
+    """The error of a chain's run, naming the op that raises it (found by running the ops one by one on ``values``,
+    the chain's inputs by slot, which gets the results of the ops before it) and the line that recorded it."""
+    for op in chain.ops:
+        try:
+            run = jax.jit(jax.extend.core.jaxpr_as_fun(op.trace.jaxpr))
+            outputs = jax.block_until_ready(run(*jax.tree_util.tree_leaves(_resolve(op.refs, values))))
+        except Exception as op_error:  # noqa: BLE001 (whatever the op raises is what is reported)
+            raise_if_out_of_memory(op_error, chain.device or 0)
+            where = "" if op.line is None else f" (recorded at {op.line[0]}:{op.line[1]})"
+            return RuntimeError(f"{op.name}{where} failed when its fused eager chain ran: "
+                                f"{type(op_error).__name__}: {op_error}")
+        values.update(zip(range(op.first, op.first + len(op.trace.leaves)), outputs))
+    raise_if_out_of_memory(error, chain.device or 0)
+    return RuntimeError(f"a fused eager chain of {len(chain.ops)} ops ({', '.join(op.name for op in chain.ops)}) "
+                        f"failed, but none of its ops fails alone: {type(error).__name__}: {error}")
+
+
+def settle(name: str, result: Any, check: Any) -> None:
+    """Debug mode, after an op ran: waits for its result and raises its failed check now."""
+    try:
+        jax.block_until_ready(result)
+    except Exception as error:  # noqa: BLE001
+        raise RuntimeError(f"{name}: {type(error).__name__}: {error}") from error
+    if check is not None:
+        checks._raise_for(np.asarray(check))
+
+
+def set_mode(mode: str) -> None:
+    """Selects the eager mode (see the module's docstring); runs what was recorded so far first."""
+    global MODE, ON, DEBUG
+    if mode not in MODES:
+        raise ValueError(f"eager mode {mode!r} is not one of {', '.join(MODES)}: use 'strict' (each op runs at once), "
+                         "'fused' (ops recorded and run as one program at a sync) or 'debug' (each op waits for its "
+                         "result and checks it)")
+    flush()
+    MODE, ON, DEBUG = mode, mode == "fused", mode == "debug"
+
+
+def stats() -> dict[str, int]:
+    """Counts since the last :func:`reset_stats`: ``ops`` recorded, chain runs (``flushes``), chain programs
+    found in the cache (``program_hits``) and built (``program_misses``); ``programs`` cached now and
+    ``pending`` ops recorded and not run yet."""
+    return {**_stats, "programs": len(_programs), "pending": len(_chain.ops)}
+
+
+def reset_stats() -> None:
+    _stats.update(dict.fromkeys(_STATS, 0))
+
+
+checks.flush_recorded = flush
+set_mode(runtime.eager_mode())

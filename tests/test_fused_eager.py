@@ -1,0 +1,349 @@
+"""Fused eager mode: recorded ops give strict mode's results bit for bit, and the CPU's, run as cached programs."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import four_chips
+import hf_tpu
+from conftest import tiny_llama
+from hf_tpu.backend import checks, dispatch, fused, runtime, storage
+
+
+@pytest.fixture(autouse=True)
+def strict_after():
+    yield
+    torch.tpu.set_eager_mode("strict")
+
+
+def in_mode(mode: str, fn, *args):
+    """``fn(*args)`` in an eager mode, its tensors brought to the CPU (the read is the sync point)."""
+    torch.tpu.set_eager_mode(mode)
+    try:
+        return [t.cpu() for t in fn(*args)]
+    finally:
+        torch.tpu.set_eager_mode("strict")
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bit patterns (so that NaNs and signed zeros compare too)."""
+    if tensor.is_floating_point():
+        return tensor.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.dtype.itemsize])
+    return tensor
+
+
+def assert_bitwise(actual: list, expected: list) -> None:
+    assert len(actual) == len(expected)
+    for position, (a, e) in enumerate(zip(actual, expected)):
+        assert a.dtype == e.dtype and a.shape == e.shape, position
+        assert torch.equal(bits(a), bits(e)), f"result {position}: fused differs from strict"
+
+
+def pointwise_chain(a, b):
+    x = a * b + a  # mul then add: a fused loop would contract them into one fma
+    y = torch.exp(x) / (1 + b * b)
+    z = (y.tanh() * 3 - x.sigmoid()).clamp(-1, 2)
+    return [z, x.sum(0), (a > b).to(torch.int64).cumsum(1), torch.where(a > 0, a, b).mean()]
+
+
+def test_pointwise_chain_matches_strict_and_cpu():
+    torch.manual_seed(0)
+    a, b = torch.randn(16, 24), torch.randn(16, 24)
+    expected = pointwise_chain(a, b)
+    strict = in_mode("strict", pointwise_chain, a.to("tpu"), b.to("tpu"))
+    fused_results = in_mode("fused", pointwise_chain, a.to("tpu"), b.to("tpu"))
+    assert_bitwise(fused_results, strict)
+    for actual, reference in zip(fused_results, expected):
+        torch.testing.assert_close(actual, reference)
+
+
+def test_ops_are_recorded_until_a_value_is_read():
+    a = torch.arange(6.0, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    b = (a + 1) * 2
+    assert torch.tpu.get_eager_mode() == "fused"
+    assert fused.stats()["pending"] == 2 and fused.stats()["flushes"] == 0
+    assert b.shape == (6,) and b.dtype == torch.float32  # known without running
+    assert b.sum().item() == 42.0  # .item() is a sync point
+    assert fused.stats()["pending"] == 0 and fused.stats()["flushes"] == 1
+    c = b - 1
+    torch.tpu.synchronize()
+    assert fused.stats()["pending"] == 0 and fused.stats()["flushes"] == 2
+    assert c.tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    if (c > 10).any():  # control flow on a tensor reads it
+        assert fused.stats()["pending"] == 0
+
+
+def shared_operands(tensors):
+    divisor = 0.0316
+    quotients = torch._foreach_div(tensors, [divisor, divisor, divisor])  # one Python float, three operands
+    return list(quotients) + [tensors[0] / tensors[0], tensors[1] * 2 + tensors[1] * 3]
+
+
+def test_an_array_read_twice_by_one_op_gives_strict_results():
+    torch.manual_seed(2)
+    tensors = [torch.randn(32, 32).abs() for _ in range(3)]
+    strict = in_mode("strict", shared_operands, [t.to("tpu") for t in tensors])
+    assert_bitwise(in_mode("fused", shared_operands, [t.to("tpu") for t in tensors]), strict)
+
+
+def views_and_in_place(x):
+    x = x.clone()
+    rows = x[1:3]
+    rows += 1  # through a view: the base sees it
+    x.t()[0].mul_(2)  # a strided column
+    x[:, -1] = x[:, 0]  # copy between views of one storage
+    y = x.view(-1)[::5]
+    y.sub_(0.5)
+    diagonal = x.diagonal()
+    diagonal.zero_()
+    out = torch.empty(0, device=x.device)
+    torch.add(x, rows.sum(), out=out)  # out= resizes
+    return [x, rows, y, out, x.transpose(0, 1).contiguous() * 3]
+
+
+def test_views_in_place_ops_and_aliasing_match_strict_and_cpu():
+    torch.manual_seed(1)
+    x = torch.randn(4, 5)
+    expected = views_and_in_place(x)
+    strict = in_mode("strict", views_and_in_place, x.to("tpu"))
+    actual = in_mode("fused", views_and_in_place, x.to("tpu"))
+    assert_bitwise(actual, strict)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
+def test_a_recorded_op_sees_its_inputs_as_they_were_when_recorded():
+    x = torch.arange(4.0, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    doubled = x * 2
+    x.add_(100)  # after the recorded read
+    x.copy_(torch.full((4,), -1.0))  # a hand-written kernel writing the storage
+    assert doubled.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert x.tolist() == [-1.0] * 4
+
+
+def test_a_recorded_op_runs_as_it_was_traced_when_recorded():
+    ints = torch.arange(3, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # read by the lowering when it is traced: at record time
+    try:
+        wide = ints + 2.5
+    finally:
+        torch.set_default_dtype(previous)
+    narrow = ints + 2.5
+    assert (wide.dtype, narrow.dtype) == (torch.float64, torch.float32)
+    assert wide.cpu().dtype == torch.float64 and wide.tolist() == narrow.tolist() == [2.5, 3.5, 4.5]
+
+
+def test_lazy_empty_and_copy_into_recorded_values():
+    torch.tpu.set_eager_mode("fused")
+    a = torch.ones(3, device="tpu") * 5
+    b = torch.empty(3, device="tpu")
+    b.copy_(a)  # copy_ reads a: runs the chain
+    c = torch.empty_like(a).fill_(2) + b
+    assert c.tolist() == [7.0, 7.0, 7.0]
+
+
+def tiny_training_step(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    output = model(ids, labels=ids)
+    output.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    return [output.logits, output.loss] + grads + [p.detach() for p in model.parameters()]
+
+
+def test_tiny_llama_forward_backward_and_adamw_step_match_strict_bitwise():
+    ids = torch.arange(16).reshape(2, 8) % 128
+    expected = tiny_training_step(tiny_llama(num_hidden_layers=1), ids)
+    strict = in_mode("strict", tiny_training_step, tiny_llama(num_hidden_layers=1).to("tpu"), ids.to("tpu"))
+    fused.reset_stats()
+    actual = in_mode("fused", tiny_training_step, tiny_llama(num_hidden_layers=1).to("tpu"), ids.to("tpu"))
+    assert fused.stats()["ops"] > 100  # forward, backward (from autograd's thread) and the optimizer were recorded
+    assert_bitwise(actual, strict)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+def random_ops(x):
+    torch.manual_seed(7)
+    noise = torch.randn(3, 4, device="tpu")
+    dropped = torch.nn.functional.dropout(x * 2, p=0.5, training=True)
+    uniform = torch.rand_like(x) + noise
+    return [noise, dropped, uniform, torch.tpu.get_rng_state()]
+
+
+def test_random_numbers_and_generator_state_match_strict():
+    x = torch.ones(3, 4)
+    assert_bitwise(in_mode("fused", random_ops, x.to("tpu")), in_mode("strict", random_ops, x.to("tpu")))
+
+
+def test_a_loop_body_runs_one_cached_program():
+    weight = torch.randn(8, 8, device="tpu")
+    state = torch.zeros(8, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    losses = []
+    for _ in range(5):
+        state = torch.tanh(weight @ state + 1)
+        losses.append((state * state).sum().item())
+    stats = fused.stats()
+    assert stats["flushes"] == 5
+    assert stats["program_misses"] == 1 and stats["program_hits"] == 4
+    torch.tpu.set_eager_mode("strict")
+    state = torch.zeros(8, device="tpu")
+    for expected in losses:
+        state = torch.tanh(weight @ state + 1)
+        assert (state * state).sum().item() == expected
+
+
+def test_the_program_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(fused, "PROGRAM_CACHE_SIZE", 2)
+    torch.tpu.set_eager_mode("fused")
+    for n in range(1, 6):
+        assert (torch.ones(n, device="tpu") * 3).sum().item() == 3 * n
+    assert fused.stats()["programs"] <= 2
+
+
+def test_the_chain_length_is_bounded(monkeypatch):
+    monkeypatch.setattr(fused, "MAX_OPS", 4)
+    x = torch.zeros(3, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    for _ in range(10):
+        x = x + 1
+        assert fused.stats()["pending"] <= 4
+    assert x.tolist() == [10.0] * 3
+
+
+def test_a_chain_that_ran_keeps_no_inputs():
+    torch.tpu.set_eager_mode("fused")
+    x = torch.ones(1000, device="tpu") * 2
+    x.cpu()
+    array = storage.read(x)
+    alive = weakref.ref(array)
+    y = x + 1  # the chain holds x's array
+    del x, array
+    assert alive() is not None
+    assert y.sum().item() == 3000.0
+    assert alive() is None
+
+
+def test_deferred_checks_are_raised_at_the_sync():
+    values = torch.arange(3.0, device="tpu")
+    index = torch.tensor([5], device="tpu")
+    with pytest.raises(IndexError) as strict_error:
+        values[index].cpu()
+    torch.tpu.set_eager_mode("fused")
+    picked = values[index]  # recorded, no error yet
+    with pytest.raises(IndexError) as fused_error:
+        picked.cpu()
+    assert str(fused_error.value) == str(strict_error.value)
+
+
+def test_debug_mode_raises_failed_checks_at_the_op():
+    values = torch.arange(3.0, device="tpu")
+    index = torch.tensor([5], device="tpu")
+    torch.tpu.set_eager_mode("debug")
+    with pytest.raises(IndexError, match="out of bounds"):
+        values[index]  # no sync needed: the op itself raises
+    assert (values * 2).tolist() == [0.0, 2.0, 4.0]
+
+
+@pytest.fixture(scope="module")
+def exploding_op():
+    """A lowered op whose program fails when it runs (a host callback raising), not when it is traced."""
+    library = torch.library.Library("hf_tpu_fused_test", "DEF")
+    library.define("explode(Tensor x) -> Tensor")
+
+    def host(values):
+        raise ValueError("the device program failed")
+
+    def explode(x):
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    op = dispatch.resolve("hf_tpu_fused_test::explode")
+    library.impl("explode", dispatch.build_kernel(op, dispatch.Lowering(explode)), "PrivateUse1")
+    yield torch.ops.hf_tpu_fused_test.explode
+    library._destroy()
+
+
+def test_an_error_when_a_chain_runs_names_the_op_and_the_line_that_recorded_it(exploding_op):
+    x = torch.ones(4, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    doubled = x * 2
+    line = inspect.currentframe().f_lineno + 1
+    failing = exploding_op(doubled)
+    result = failing + 1
+    with pytest.raises(RuntimeError, match=rf"hf_tpu_fused_test::explode \(recorded at .*test_fused_eager.py:{line}\)"):
+        result.cpu()
+    with pytest.raises(RuntimeError, match="never computed"):
+        result.cpu()
+    assert doubled.tolist() == [2.0] * 4  # recorded before the failing op: computed, as in strict mode
+    assert (failing.new_ones(2) + x[:2]).tolist() == [2.0, 2.0]  # the next chain runs
+
+
+def test_tracing_errors_are_raised_by_the_op_itself():
+    a, b = torch.ones(3, device="tpu"), torch.ones(4, device="tpu")
+    with pytest.raises(RuntimeError) as strict_error:
+        a + b
+    torch.tpu.set_eager_mode("fused")
+    with pytest.raises(RuntimeError, match="incompatible shapes") as fused_error:
+        a + b  # shapes are inferred when the op is recorded
+    assert str(fused_error.value) == str(strict_error.value)
+
+
+def test_bad_modes_are_refused_naming_the_choices(monkeypatch):
+    with pytest.raises(ValueError, match="'lazy' is not one of strict, fused, debug"):
+        torch.tpu.set_eager_mode("lazy")
+    monkeypatch.setenv("HF_TPU_EAGER_MODE", "eventually")
+    with pytest.raises(ValueError, match="HF_TPU_EAGER_MODE='eventually' is not one of strict, fused, debug"):
+        runtime.check_environment()
+    monkeypatch.setenv("HF_TPU_EAGER_MODE", "Fused")
+    assert runtime.eager_mode() == "fused"
+
+
+def test_immediate_checks_run_each_checked_op_at_once(monkeypatch):
+    monkeypatch.setattr(checks, "MODE", "immediate")
+    values = torch.arange(3.0, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    with pytest.raises(IndexError):
+        values[torch.tensor([7], device="tpu")]
+    assert np.asarray(storage.read(values * 1)).tolist() == [0.0, 1.0, 2.0]
+
+
+def several_chips():
+    """Chains on two chips in turn, a factory on the second, and a sharded tensor mixed with a recorded value."""
+    a, b = torch.arange(8.0, device="tpu:1"), torch.ones(8, device="tpu:0")
+    on_second = a * 2 + 1
+    on_first = b - 3  # another chip: the chain of tpu:1 runs first
+    made = torch.arange(4, device="tpu:1") * 3
+    sharded = hf_tpu.distribute(torch.arange(16.0).reshape(4, 4), ["tpu:0", "tpu:1"], ("chips", None))
+    mixed = (sharded * 2 + on_first[:4, None]).sum(0)  # a sharded input: strict, the pending value computed first
+    assert on_second.device == made.device == torch.device("tpu:1")
+    return [on_second, on_first, made, mixed]
+
+
+def case_chains_per_chip_and_sharded_tensors():
+    assert_bitwise(in_mode("fused", several_chips), in_mode("strict", several_chips))
+
+
+four_chip_report = four_chips.report_fixture(__file__)
+
+
+@pytest.mark.parametrize("case", four_chips.cases(globals()))
+def test_on_four_chips(four_chip_report, case):
+    assert four_chip_report[case] == "ok", four_chip_report[case]
+
+
+if __name__ == "__main__":
+    four_chips.main(globals())
