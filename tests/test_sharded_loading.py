@@ -11,6 +11,7 @@ import gc
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import four_chips
 import pytest
@@ -146,7 +147,8 @@ def case_the_result_is_what_hf_tpu_shard_makes():
         assert torch.equal(tensor.cpu(), _tensors(sharded)[name].cpu()), name
 
 
-def case_each_weight_is_read_once_and_placed_before_the_next_is_read():
+def _read_and_placed(load: Callable[[], torch.nn.Module]) -> tuple[torch.nn.Module, list[str]]:
+    """What ``load`` did, in order: each tensor read from a safetensors file, each host tensor put on shards."""
     from hf_tpu import sharding
     from hf_tpu.integrations import transformers as integration
 
@@ -164,13 +166,21 @@ def case_each_weight_is_read_once_and_placed_before_the_next_is_read():
 
     integration.SafetensorsReader.read, sharding.distribute = reading, placing
     try:
-        model = _load("qwen3", distributed_config=_tp(2))
+        return load(), events
     finally:
         integration.SafetensorsReader.read, sharding.distribute = read, distribute
+
+
+def _stored(path: Path) -> int:
     from safetensors import safe_open
 
-    with safe_open(str(_saved("qwen3") / "model.safetensors"), "pt") as checkpoint:
-        stored = len(checkpoint.keys())
+    with safe_open(str(path), "pt") as checkpoint:
+        return len(checkpoint.keys())
+
+
+def case_each_weight_is_read_once_and_placed_before_the_next_is_read():
+    model, events = _read_and_placed(lambda: _load("qwen3", distributed_config=_tp(2)))
+    stored = _stored(_saved("qwen3") / "model.safetensors")
     assert events.count("read") == stored == len(dict(model.named_parameters()))
     assert events == ["read", "placed"] * stored  # one weight at a time on the host
 
@@ -285,6 +295,13 @@ def case_diffusers_tensor_parallel_config_loads_into_shards():
             actual = sharded(**inputs).sample
         torch.testing.assert_close(actual.cpu(), expected, **LOGITS)
         del sharded, actual  # before measuring the next load
+
+
+def case_diffusers_reads_each_weight_once_and_places_it_before_the_next():
+    model, events = _read_and_placed(lambda: _sd3(2))
+    stored = _stored(_SAVED["sd3"] / "diffusion_pytorch_model.safetensors")
+    assert events.count("read") == stored == len(model.state_dict())  # the parameters and the positional table
+    assert events == ["read", "placed"] * stored  # one weight at a time on the host, not the whole file first
 
 
 def case_diffusers_parallel_config_and_bad_input():

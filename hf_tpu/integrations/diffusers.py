@@ -11,15 +11,18 @@ Patches ``_FP64_UNSUPPORTED_DEVICES`` and ``_DTYPE_UNSUPPORTED_DEVICES`` of
 
 ``from_pretrained(..., device_map="tpu", parallel_config=TensorParallelConfig(tp_degree=N))`` without an
 initialized process group loads into shards over this host's first N chips, one process
-(:func:`_from_pretrained`, :mod:`hf_tpu.integrations.sharded_loading`). Under torchrun (one process per chip),
-diffusers' own tensor parallelism runs on ``tpu_dist`` unchanged; :func:`_checked_tp_degree` only makes
-``enable_parallelism`` name the tp degrees that split the model (``hf_tpu.tp_plans.check_tp_size``).
+(:func:`_from_pretrained`, :mod:`hf_tpu.integrations.sharded_loading`), reading each weight of a safetensors
+checkpoint when it is placed (:func:`_load_state_dict`), so the host holds about one weight. Under torchrun (one
+process per chip), diffusers' own tensor parallelism runs on ``tpu_dist`` unchanged; :func:`_checked_tp_degree`
+only makes ``enable_parallelism`` name the tp degrees that split the model (``hf_tpu.tp_plans.check_tp_size``).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import weakref
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable
 
 import torch
@@ -69,6 +72,58 @@ def _set_module_tensor_to_device(original: Callable[..., Any]) -> Callable[..., 
     return set_module_tensor_to_device
 
 
+class _WeightsOnRead(MutableMapping):
+    """A safetensors checkpoint as a state dict whose tensors are read when looked up, and not kept (a
+    ``SafetensorsReader``, as transformers' loads use). What is stored into it (diffusers renaming the weights of
+    deprecated attention blocks, ``_fix_state_dict_keys_on_load``) is kept as given."""
+
+    def __init__(self, path: str) -> None:
+        from .transformers import SafetensorsReader
+
+        self._reader = SafetensorsReader(path)
+        self._names = dict.fromkeys(self._reader.keys())
+        self._stored: dict[str, torch.Tensor] = {}
+        weakref.finalize(self, self._reader.__exit__)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._stored:
+            return self._stored[name]
+        if name not in self._names:
+            raise KeyError(name)
+        return self._reader.get_tensor(name)
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._names[name] = None
+        self._stored[name] = tensor
+
+    def __delitem__(self, name: str) -> None:
+        del self._names[name]
+        self._stored.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _load_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    """diffusers 0.42's ``load_state_dict`` (models/model_loading_utils.py l.152), which ``from_pretrained``
+    (models/modeling_utils.py l.1442, one file) and ``_load_shard_file`` (each file) call: loading into shards,
+    a safetensors file becomes a :class:`_WeightsOnRead`, so ``load_model_dict_into_meta`` (l.229, one weight at
+    a time) reads each weight just before placing it on its shards instead of the whole file first."""
+
+    @functools.wraps(original)
+    def load_state_dict(checkpoint_file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(checkpoint_file, _WeightsOnRead):  # from_pretrained passes on the one file's state dict
+            return checkpoint_file
+        if sharded_loading.active() is not None and str(checkpoint_file).endswith(".safetensors"):
+            return _WeightsOnRead(str(checkpoint_file))
+        return original(checkpoint_file, *args, **kwargs)
+
+    return load_state_dict
+
+
 def _checked_tp_degree(original: Callable[..., Any]) -> Callable[..., Any]:
     """diffusers 0.42's ``_check_tp_supported`` (hooks/tensor_parallel.py l.371-450), which both tensor-parallel
     entry points run first: given the model (``enable_parallelism``), on tpu, :func:`hf_tpu.tp_plans.check_tp_size`
@@ -111,6 +166,7 @@ def _install_sharded_loading(modeling_utils: Any) -> None:
         return
     model_class.from_pretrained = _from_pretrained(model_class.__dict__["from_pretrained"].__func__)
     loading.set_module_tensor_to_device = _set_module_tensor_to_device(loading.set_module_tensor_to_device)
+    loading.load_state_dict = modeling_utils.load_state_dict = _load_state_dict(loading.load_state_dict)
 
 
 def install(torch_utils: Any) -> None:
