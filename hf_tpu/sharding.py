@@ -30,16 +30,17 @@ row-sharded weight ends in an all-reduce). What to expect::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import jax
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .backend import device_module, runtime, storage
+from .backend import device_module, dtypes, runtime, storage
 
 Devices = Union[Sequence[Union[torch.device, str, int]], Mesh, None]
 Spec = Union[PartitionSpec, Sequence[Union[str, Sequence[str], None]], None]
@@ -100,6 +101,24 @@ def distribute(tensor: torch.Tensor, devices: Devices = None, spec: Spec = None)
         array = jax.device_put(storage.read(source), sharding)
     result = storage.wrap(array, tensor.dtype, first, transfer=from_host)
     return result.requires_grad_(tensor.requires_grad)
+
+
+def zeros(shape: Sequence[int], dtype: torch.dtype, devices: Devices = None, spec: Spec = None) -> torch.Tensor:
+    """A new tpu tensor of zeros sharded over ``devices`` as ``spec`` says (see :func:`distribute`), made on its
+    shards: each chip allocates only its own part, none ever holds it whole."""
+    grid = devices if isinstance(devices, Mesh) else mesh(devices)
+    partition = _partition_spec(spec, grid)
+    _check_divisible(tuple(shape), partition, grid)
+    first = [storage.chip_index(device) for device in grid.devices.flat][0]
+    sharding = (jax.sharding.SingleDeviceSharding(grid.devices.flat[0]) if grid.devices.size == 1
+                else NamedSharding(grid, partition))
+    array = _zeros_program(tuple(shape), dtypes.to_jax(dtype), sharding)()
+    return storage.wrap(array, dtype, first)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding) -> Any:
+    return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype), out_shardings=sharding)
 
 
 def placement(tensor: torch.Tensor) -> tuple[torch.device, ...]:

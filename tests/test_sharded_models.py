@@ -118,8 +118,11 @@ def case_llama_static_cache_generate_is_compiled_once_and_sharded():
         one_chip, sharded = _on_one_chip_and_sharded(reference, _tp_mesh(tp))
         expected = _greedy_tokens(one_chip, **static)
         before = _allocated()
+        for chip in range(4):
+            torch.tpu.reset_peak_memory_stats(chip)
         reset_compile_stats()
         result = _generate(sharded, expected, **static)
+        peaks = [torch.tpu.max_memory_allocated(chip) - then for chip, then in enumerate(before)]
         stats = compile_stats()
         assert stats["fallbacks"] == 0, stats
         # the prefill runs eagerly, every decode step one compiled program: built once, for these shardings
@@ -137,6 +140,8 @@ def case_llama_static_cache_generate_is_compiled_once_and_sharded():
                     assert tuple(hf_tpu.sharding_of(cache).spec) == (None, "tp", None, None)
             # each chip holds its half of the cache (and the tokens), not a whole copy
             assert all(whole / tp <= share < whole / tp + 1024 for share in grown[:tp]), (grown, whole)
+            # and never held more: the cache is made on its shards (not zeros on tpu:0, then split)
+            assert peaks[0] - peaks[1] < whole / len(layers) / 4, (peaks, whole)
         del result
 
 

@@ -53,6 +53,23 @@ def case_distribute_and_placement():
     assert hf_tpu.placement(x) == (torch.device("cpu"),)
 
 
+def case_zeros_are_made_on_their_shards():
+    from hf_tpu.sharding import zeros
+
+    torch.tpu.synchronize()
+    before = [torch.tpu.memory_allocated(chip) for chip in range(4)]
+    for chip in range(4):
+        torch.tpu.reset_peak_memory_stats(chip)
+    t = zeros((8, 4), torch.bfloat16, spec=ROWS)
+    assert t.dtype == torch.bfloat16 and t.shape == (8, 4) and _spec(t) == ROWS
+    assert hf_tpu.placement(t) == _all_chips()
+    _same(t, torch.zeros(8, 4, dtype=torch.bfloat16))
+    share = 8 * 4 * 2 // 4  # bytes per chip: a quarter, and never more on any chip
+    assert [torch.tpu.max_memory_allocated(chip) - before[chip] for chip in range(4)] == [share] * 4
+    one = zeros((3,), torch.float32, devices=["tpu:2"])
+    assert hf_tpu.placement(one) == (torch.device("tpu:2"),) and one.cpu().eq(0).all()
+
+
 def case_indivisible_dim_says_what_to_do():
     try:
         hf_tpu.distribute(torch.ones(5, 2), spec=ROWS)

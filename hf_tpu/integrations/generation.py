@@ -10,9 +10,9 @@ An explicit ``max_cache_len`` in the generation config is the user's own choice 
 as is, not bucketed.
 
 A model with sharded weights (:mod:`hf_tpu.sharding`) gets a static cache sharded like the keys and values
-written into it (usually split by head, as the k/v projections are), instead of the zeros transformers
-allocates on the model's ``device`` (one chip): each step then writes and reads the cache where it lives,
-with no copy between one chip and the mesh, and each chip holds its heads only.
+written into it (usually split by head, as the k/v projections are), made on its shards, instead of the zeros
+transformers allocates on the model's ``device`` (one chip): each step then writes and reads the cache where it
+lives, with no copy between one chip and the mesh, and each chip holds its heads only, at every moment.
 
 Patches ``GenerationMixin._prepare_cache_for_generation`` and ``GenerationMixin.generate`` of
 ``transformers/generation/utils.py`` and ``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py``
@@ -64,20 +64,20 @@ def trim_to_visible_length(cache: Any) -> None:
     delattr(cache, _VISIBLE)
 
 
-def _on_mesh_like(cache: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-    """A static cache buffer ``(batch, heads, length, head_dim)`` placed like the ``states`` it will hold:
-    split as they are, except along the length (``cache`` itself where ``states`` are on one chip)."""
+def _spread_spec(states: torch.Tensor) -> tuple[Any, list] | None:
+    """The mesh and per-dim spec of a static cache buffer ``(batch, heads, length, head_dim)`` for sharded
+    ``states``: split as they are, except along the length; ``None`` for ``states`` on one chip."""
     from jax.sharding import NamedSharding  # here: importing an integration must not import JAX
 
     from .. import sharding
 
     placement = sharding.sharding_of(states)
     if not isinstance(placement, NamedSharding):
-        return cache
+        return None
     spec = list(sharding.view_spec(states) or ())  # a view view_spec cannot follow: replicated on its mesh
     if len(spec) > 2:
         spec[2] = None
-    return sharding.distribute(cache, placement.mesh, spec)
+    return placement.mesh, spec
 
 
 def _install_sharded_static_cache(cache_utils: Any) -> None:
@@ -88,12 +88,25 @@ def _install_sharded_static_cache(cache_utils: Any) -> None:
 
     @functools.wraps(initialize)
     def lazy_initialization(self: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        initialize(self, key_states, value_states)
-        if key_states.device.type != "tpu" or torch.compiler.is_compiling():
-            return
-        self.keys, self.values = _on_mesh_like(self.keys, key_states), _on_mesh_like(self.values, value_states)
-        torch._dynamo.mark_static_address(self.keys)
-        torch._dynamo.mark_static_address(self.values)
+        """For sharded states, transformers' own initialization runs on meta stand-ins (shapes only), then the
+        buffers are made as sharded zeros, so no chip ever holds the whole cache."""
+        spread = (key_states.device.type == "tpu" and not torch.compiler.is_compiling()
+                  and _spread_spec(key_states) is not None)
+        if not spread:
+            return initialize(self, key_states, value_states)
+        from .. import sharding
+
+        before = {name: value for name, value in vars(self).items() if isinstance(value, torch.Tensor)}
+        initialize(self, torch.empty_like(key_states, device="meta"), torch.empty_like(value_states, device="meta"))
+        for name, value in before.items():  # what it moved to the states' device (cumulative_length, ...)
+            if getattr(self, name) is not value and getattr(self, name).device.type == "meta":
+                setattr(self, name, value.to(key_states.device))
+        self.device = key_states.device
+        for name, states in (("keys", key_states), ("values", value_states)):
+            grid, spec = _spread_spec(states)
+            buffer = getattr(self, name)
+            setattr(self, name, sharding.zeros(buffer.shape, buffer.dtype, grid, spec))
+            torch._dynamo.mark_static_address(getattr(self, name))
 
     lazy_initialization._hf_tpu = True
     layer.lazy_initialization = lazy_initialization
