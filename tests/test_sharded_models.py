@@ -21,6 +21,7 @@ import torch
 import hf_tpu
 from hf_tpu.compile import compile_stats, reset_compile_stats
 from hf_tpu.sharding import split_batch, view_spec
+from tiny_models import Tokens
 
 TP_SIZES = (2, 4)
 COLWISE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}  # output features split
@@ -165,19 +166,6 @@ def case_text_generation_pipeline():
     assert any(len(set(line)) > 1 for line in words), words
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Random token sequences, each its own label (causal LM)."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(4, 22, (8, 12), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
 def _trainer_steps(model: torch.nn.Module, directory: str):
     """Two steps of transformers' Trainer with its defaults (fused AdamW, gradient clipping, linear schedule).
     A small learning rate: Adam moves an element whose gradient is near zero by up to the learning rate,
@@ -188,7 +176,7 @@ def _trainer_steps(model: torch.nn.Module, directory: str):
         output_dir=directory, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
     )
-    trainer = Trainer(model=model, args=arguments, train_dataset=_Tokens())
+    trainer = Trainer(model=model, args=arguments, train_dataset=Tokens(low=4, high=22))
     trainer.train()
     return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -229,7 +217,7 @@ def case_data_parallel_and_tensor_parallel_training():
     """A (dp 2, tp 2) mesh: weights split over "tp", the batch over "dp"; XLA sums the gradients over "dp"."""
     mesh = hf_tpu.mesh(shape=(2, 2), axis_names=("dp", "tp"))
     one_chip, sharded = _on_one_chip_and_sharded(_llama().train(), mesh)
-    ids = _Tokens().ids[:4]
+    ids = Tokens(low=4, high=22).ids[:4]
     expected, _ = _adamw_steps(one_chip, {"input_ids": ids.to("tpu"), "labels": ids.to("tpu")})
     batch = split_batch({"input_ids": ids, "labels": ids.to("tpu"), "return_dict": True}, mesh)
     assert tuple(hf_tpu.sharding_of(batch["input_ids"]).spec) == ("dp",) and batch["return_dict"] is True
@@ -259,7 +247,7 @@ def case_shard_with_dp_size_splits_the_forward_batch():
     seen = []
     sharded.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"]),
                                             with_kwargs=True)
-    ids = _Tokens().ids[:4].to("tpu")
+    ids = Tokens(low=4, high=22).ids[:4].to("tpu")
     expected, _ = _adamw_steps(one_chip, {"input_ids": ids, "labels": ids})
     losses, _ = _adamw_steps(sharded, {"input_ids": ids, "labels": ids})
     assert tuple(hf_tpu.sharding_of(seen[0]).spec) == ("dp",)

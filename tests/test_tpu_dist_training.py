@@ -17,6 +17,7 @@ import torch.distributed as dist
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
 import torchrun_cases
 from conftest import tiny_llama
+from tiny_models import Tokens
 
 WORLD = 2
 STEPS = 3
@@ -120,19 +121,6 @@ def case_tensor_parallel_matches_one_process():
     _same_as_one_process(*_train(model, _batches(), "tpu", foreach=False))
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Four sequences, each its own label: with 2 per rank every step trains on all four, in any order."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
 def trainer_run(output_dir: str, per_device_batch: int, use_cpu: bool = False, **fsdp: object) -> tuple:
     """A Trainer's 4 steps; returns the trainer and its logged losses (averaged over the ranks)."""
     from transformers import Trainer, TrainingArguments
@@ -141,7 +129,8 @@ def trainer_run(output_dir: str, per_device_batch: int, use_cpu: bool = False, *
     arguments = TrainingArguments(output_dir=output_dir, use_cpu=use_cpu, max_steps=4, learning_rate=1e-2,
                                   per_device_train_batch_size=per_device_batch, logging_steps=1,
                                   save_strategy="no", report_to=[], disable_tqdm=True, seed=0, **fsdp)
-    trainer = Trainer(model=model, args=arguments, train_dataset=_Tokens())
+    # 4 sequences: at 2 per rank (or 4 in one process) every step trains on all four, in any order
+    trainer = Trainer(model=model, args=arguments, train_dataset=Tokens(count=4))
     trainer.train()
     assert trainer.args.device.type == ("cpu" if use_cpu else "tpu")
     return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

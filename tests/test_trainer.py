@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_llama
+from tiny_models import Tokens
 
 # --- the fused optimizer step -------------------------------------------------------------------
 
@@ -90,19 +91,6 @@ LOSS_TOLERANCE = {
 }
 
 
-class _Tokens(torch.utils.data.Dataset):
-    """Random token sequences, each its own label (causal LM)."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
 def train(tmp_path, use_cpu: bool, precision: str):
     """``STEPS`` steps of transformers' Trainer with its defaults (fused AdamW, linear schedule), then an
     evaluation; returns the trainer and the losses, the evaluation's last."""
@@ -124,10 +112,10 @@ def train(tmp_path, use_cpu: bool, precision: str):
         disable_tqdm=True,
         seed=0,
     )
-    trainer = Trainer(model=model, args=arguments, train_dataset=_Tokens())
+    trainer = Trainer(model=model, args=arguments, train_dataset=Tokens())
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return trainer, torch.tensor(losses + [trainer.evaluate(_Tokens())["eval_loss"]])
+    return trainer, torch.tensor(losses + [trainer.evaluate(Tokens())["eval_loss"]])
 
 
 @pytest.mark.parametrize("precision", LOSS_TOLERANCE)

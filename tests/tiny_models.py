@@ -11,6 +11,20 @@ from conftest import tiny_llama
 WORDS = "the a cat dog sat on mat ran to park and is happy sad big small red blue".split()
 
 
+class Tokens(torch.utils.data.Dataset):
+    """``count`` random token sequences of 12 ids in ``[low, high)``, each its own label (a causal LM's dataset
+    for ``Trainer``)."""
+
+    def __init__(self, count: int = 8, low: int = 0, high: int = 64) -> None:
+        self.ids = torch.randint(low, high, (count, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
 def save_tiny_llama(path: Path) -> Path:
     """A tiny Llama with a word-level tokenizer (built with the ``tokenizers`` library), saved in ``path``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
