@@ -4,8 +4,8 @@ paths and a hand-written pure-JAX decoder, in one process.
 LlamaForCausalLM (hidden 512, 4 layers, 8 heads, 2 kv heads, intermediate 1376, vocab 8192, float32),
 built from a config (random weights, no downloads); a 32-token prompt and 64 new tokens, greedy.
 Each variant is warmed up once (compiling what it compiles), then timed as the best of
-``--repeats`` runs; tokens/s counts the 64 new tokens over the whole ``generate`` call (prefill
-included). Variants:
+``--repeats`` runs (the pure-JAX and tpu runs alternated, so that their ratio sees one load); tokens/s
+counts the 64 new tokens over the whole ``generate`` call (prefill included). Variants:
 
 - ``torch cpu eager``: ``generate`` with the default (dynamic) cache;
 - ``torch cpu static``: ``cache_implementation="static"``, eager;
@@ -15,14 +15,21 @@ included). Variants:
 - ``tpu``: the model on the tpu device, ``cache_implementation="static"`` (decode steps compiled
   by generate through the ``"tpu"`` backend).
 
-    python benchmarks/decode.py [--repeats 3] [--skip-inductor]
+``--profile`` adds a per-token breakdown of the tpu run from cProfile, in the main thread's CPU time (less
+noisy than wall time on a loaded machine): the XLA program's launch, graph mode's Python around it, Dynamo
+and AOTAutograd around that, the eager tpu ops (the prefill's and generate's bookkeeping), host reads, and
+the rest of generate's Python.
+
+    python benchmarks/decode.py [--repeats 3] [--skip-inductor] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import functools
+import pstats
 import time
 
 import jax
@@ -57,6 +64,17 @@ def timed(run, repeats: int) -> tuple[float, list[int]]:
         tokens = run()
         best = min(best, time.perf_counter() - start)
     return best, tokens
+
+
+def timed_together(first, second, repeats: int) -> tuple[tuple[float, list[int]], tuple[float, list[int]]]:
+    """:func:`timed` for two runs, alternated (after one warm-up call of each)."""
+    results = [[float("inf"), run()] for run in (first, second)]
+    for _ in range(repeats):
+        for result, run in zip(results, (first, second)):
+            start = time.perf_counter()
+            result[1] = run()
+            result[0] = min(result[0], time.perf_counter() - start)
+    return tuple(results[0]), tuple(results[1])
 
 
 def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
@@ -156,10 +174,47 @@ def jax_generate(model: LlamaForCausalLM, weights: dict, prompt: np.ndarray) -> 
     return [int(t[0]) for t in tokens]
 
 
+# cProfile entries (file suffix, function) whose cumulative time makes up each part of a decode step
+_PARTS = {
+    "XLA program": [("jax/_src/stages.py", "__call__")],
+    "graph mode (CompiledGraph)": [("hf_tpu/compile/graph_lowering.py", "__call__")],
+    "Dynamo + AOTAutograd": [("torch/_dynamo/eval_frame.py", "compile_wrapper")],
+    # the op table's kernels and the hand-written ones
+    "eager tpu ops (prefill too)": [("hf_tpu/backend/dispatch.py", "run"), ("hf_tpu/backend/guard.py", "kernel")],
+    "host reads": [("~", "<built-in method numpy.asarray>")],
+    "generate": [("transformers/generation/utils.py", "generate")],
+}
+# the part each part runs inside of, whose share is its own less the nested part's
+_NESTED = {"graph mode (CompiledGraph)": "XLA program", "Dynamo + AOTAutograd": "graph mode (CompiledGraph)",
+           "eager tpu ops (prefill too)": "host reads"}
+
+
+def _cumulative(stats: dict, entries: list[tuple[str, str]]) -> float:
+    """Seconds spent in the given functions, counting a call among them from another one of them once."""
+    chosen = [key for key in stats if any(key[0].endswith(suffix) and key[2] == fn for suffix, fn in entries)]
+    return sum(ct for key in chosen for caller, (_, _, _, ct) in stats[key][4].items() if caller not in chosen)
+
+
+def profile_breakdown(run) -> dict[str, float]:
+    """Milliseconds per new token in each part of one ``run()`` under cProfile (see ``_PARTS``), in CPU time of
+    this thread: what other processes take of a loaded machine and waits for the device are left out."""
+    profile = cProfile.Profile(time.thread_time)
+    profile.enable()
+    run()
+    profile.disable()
+    stats = pstats.Stats(profile).stats
+    cumulative = {name: _cumulative(stats, entries) for name, entries in _PARTS.items()}
+    parts = {name: cumulative[name] - cumulative.get(_NESTED.get(name), 0.0) for name in _PARTS}
+    parts["generate"] -= cumulative["Dynamo + AOTAutograd"] + cumulative["eager tpu ops (prefill too)"]
+    parts["total"] = cumulative["generate"]
+    return {name: seconds * 1e3 / NEW_TOKENS for name, seconds in parts.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-inductor", action="store_true", help="leave out the (slow to compile) Inductor run")
+    parser.add_argument("--profile", action="store_true", help="add a cProfile breakdown of a tpu decode per token")
     args = parser.parse_args()
 
     model = build_model()
@@ -176,10 +231,12 @@ def main() -> None:
             lambda: hf_generate(model, prompt, cache_implementation="static", compile_config=inductor), args.repeats
         )
     weights = jax_weights(model)
-    results["pure jax"] = timed(lambda: jax_generate(model, weights, prompt.numpy()), args.repeats)
     tpu_model = copy.deepcopy(model).to("tpu")
     tpu_prompt = prompt.to("tpu")
-    results["tpu"] = timed(lambda: hf_generate(tpu_model, tpu_prompt, cache_implementation="static"), args.repeats)
+    # alternated, so that both see the same load on a shared machine: their ratio is the figure that matters
+    results["pure jax"], results["tpu"] = timed_together(
+        lambda: jax_generate(model, weights, prompt.numpy()),
+        lambda: hf_generate(tpu_model, tpu_prompt, cache_implementation="static"), args.repeats)
 
     reference_tokens = results["torch cpu eager"][1]
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
@@ -194,6 +251,11 @@ def main() -> None:
     print(f"\ntpu / best torch cpu path: {tpu_rate / best_cpu:.2f}x; "
           f"tpu / pure jax: {tpu_rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
     print(f"graph mode: {torch.tpu.compile_stats()}")
+    if args.profile:
+        print("\ncProfile of one tpu generate, CPU ms of the main thread per new token (profiling inflates Python):")
+        for name, milliseconds in profile_breakdown(
+                lambda: hf_generate(tpu_model, tpu_prompt, cache_implementation="static")).items():
+            print(f"  {name:<28} {milliseconds:7.2f}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Fused eager mode against strict eager mode, raw ``jax.jit`` and torch CPU eager, side by side in one run.
 
-Two workloads:
+Three workloads:
 
 * an ``x = x + b`` chain of ``--chain`` ops on 64x64 float32 tensors, ending with a device sync, per op:
   tpu fused, tpu strict, and ``jax.jit(jnp.add)`` called on JAX arrays (the floor hf_tpu builds on);
 * the tiny Llama forward of ``tiny_llama.py`` (``torch.no_grad``), ending with a device sync: tpu fused,
-  tpu strict and torch CPU eager.
+  tpu strict and torch CPU eager;
+* a training step of the same model (forward with labels, backward, ``torch.optim.AdamW`` step, zeroing the
+  gradients), ending with a device sync: tpu fused, tpu strict and torch CPU eager.
 
 Timings are the best of ``--repeats`` runs after warm-up runs that compile everything (fused programs are
 cached by the chain's structure, so the timed runs find them). Prints each time and the ratios the goals are
-stated in: fused / jax.jit per op (goal <= 1.3x) and fused / torch CPU for the forward (goal <= 1.2x).
+stated in: fused / jax.jit per op (goal <= 1.3x), fused / torch CPU for the forward (goal <= 1.2x) and for
+the training step (goal <= 1.5x).
 
     python benchmarks/fused_eager.py [--chain 200] [--repeats 10]
 """
@@ -83,6 +86,42 @@ def llama_forward(device: str, mode: str, repeats: int) -> float:
             torch.tpu.set_eager_mode("strict")
 
 
+def llama_training_step(device: str, mode: str, repeats: int) -> float:
+    """Seconds per tiny Llama training step (forward, backward, AdamW) on ``device`` (tpu in eager ``mode``)."""
+    model, input_ids = tiny_llama()
+    model, input_ids = model.to(device).train(), input_ids.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if device == "tpu":
+        torch.tpu.set_eager_mode(mode)
+
+    def run() -> None:
+        model(input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if device == "tpu":
+            torch.tpu.synchronize()
+
+    try:
+        return best_seconds(run, repeats)
+    finally:
+        if device == "tpu":
+            torch.tpu.set_eager_mode("strict")
+
+
+def compare_with_cpu(title: str, workload: Callable[[str, str, int], float], goal: float, repeats: int) -> None:
+    """Prints ``workload``'s milliseconds on torch CPU, tpu strict and tpu fused, and the ratios to CPU."""
+    cpu = workload("cpu", "strict", repeats)
+    strict = workload("tpu", "strict", repeats)
+    fused.reset_stats()
+    fused_time = workload("tpu", "fused", repeats)
+    counts = fused.stats()
+    print(title)
+    print(f"  torch cpu {cpu * 1e3:8.2f}   tpu strict {strict * 1e3:8.2f}   tpu fused {fused_time * 1e3:8.2f}")
+    print(f"  fused / cpu {fused_time / cpu:5.2f}x (goal <= {goal}x)   strict / cpu {strict / cpu:5.2f}x   "
+          f"fused: {counts['flushes']} chain runs, {counts['program_hits']} cache hits, "
+          f"{counts['program_misses']} misses\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chain", type=int, default=200, help="ops per add chain (default 200)")
@@ -100,12 +139,10 @@ def main() -> None:
     print(f"  fused / jax.jit {fused_op / jit:5.2f}x (goal <= 1.3x)   strict / jax.jit {strict / jit:5.2f}x   "
           f"program cache: {hits['program_hits']} hits, {hits['program_misses']} misses\n")
 
-    cpu = llama_forward("cpu", "strict", args.repeats)
-    strict = llama_forward("tpu", "strict", args.repeats)
-    fused_forward = llama_forward("tpu", "fused", args.repeats)
-    print("tiny Llama forward (hidden 256, 4 layers, 64 tokens), ms per forward")
-    print(f"  torch cpu {cpu * 1e3:8.2f}   tpu strict {strict * 1e3:8.2f}   tpu fused {fused_forward * 1e3:8.2f}")
-    print(f"  fused / cpu {fused_forward / cpu:5.2f}x (goal <= 1.2x)   strict / cpu {strict / cpu:5.2f}x")
+    compare_with_cpu("tiny Llama forward (hidden 256, 4 layers, 64 tokens), ms per forward", llama_forward, 1.2,
+                     args.repeats)
+    compare_with_cpu("tiny Llama training step (forward, backward, AdamW), ms per step", llama_training_step, 1.5,
+                     args.repeats)
 
 
 if __name__ == "__main__":

@@ -206,6 +206,77 @@ def test_a_loop_body_runs_one_cached_program():
         assert (state * state).sum().item() == expected
 
 
+def train_eagerly(model, inputs, targets, steps: int, loss_fn) -> tuple[list[float], list[dict]]:
+    """``steps`` AdamW steps in the current eager mode, each read by ``loss.item()``; the losses, and after each
+    step the fused eager counters with the live tpu bytes."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, counters = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(model, inputs, targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        counters.append({**fused.stats(), "bytes": torch.tpu.memory_allocated()})
+    return losses, counters
+
+
+def assert_steady_after(counters: list[dict], warmup: int) -> None:
+    """No program built, no program cached and no tpu byte allocated after step ``warmup``: every chain of a
+    later step ran a cached program."""
+    settled, last = counters[warmup - 1], counters[-1]
+    assert last["program_misses"] == settled["program_misses"]
+    assert last["program_hits"] - settled["program_hits"] == last["flushes"] - settled["flushes"] > 0
+    assert {c["programs"] for c in counters[warmup - 1:]} == {settled["programs"]}
+    assert {c["bytes"] for c in counters[warmup - 1:]} == {settled["bytes"]}
+    assert last["pending"] == 0
+
+
+def mlp_loss(model, inputs, targets):
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def llama_loss(model, ids, _):
+    return model(ids, labels=ids).loss
+
+
+def test_a_thousand_training_steps_run_cached_programs_without_growth():
+    def run(mode: str):
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to("tpu")
+        inputs, targets = torch.randn(32, 8).to("tpu"), torch.randn(32, 1).to("tpu")
+        torch.tpu.set_eager_mode(mode)
+        fused.reset_stats()
+        try:
+            return train_eagerly(model, inputs, targets, 1000, mlp_loss)
+        finally:
+            torch.tpu.set_eager_mode("strict")
+
+    strict_losses, _ = run("strict")
+    losses, counters = run("fused")
+    assert losses == strict_losses  # bit for bit (Python floats of float32 values)
+    assert counters[-1]["ops"] >= 10 * 1000  # forward, backward and optimizer ops were recorded
+    assert_steady_after(counters, warmup=5)
+
+
+def test_tiny_llama_training_steps_reach_a_steady_program_cache():
+    ids = (torch.arange(16).reshape(2, 8) % 128).to("tpu")
+
+    def run(mode: str):
+        model = tiny_llama(num_hidden_layers=1).to("tpu")
+        torch.tpu.set_eager_mode(mode)
+        fused.reset_stats()
+        try:
+            return train_eagerly(model, ids, None, 8, llama_loss)
+        finally:
+            torch.tpu.set_eager_mode("strict")
+
+    strict_losses, _ = run("strict")
+    losses, counters = run("fused")
+    assert losses == strict_losses
+    assert_steady_after(counters, warmup=3)
+
+
 def test_the_program_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(fused, "PROGRAM_CACHE_SIZE", 2)
     torch.tpu.set_eager_mode("fused")
@@ -223,6 +294,40 @@ def test_the_chain_length_is_bounded(monkeypatch):
         x = x + 1
         assert fused.stats()["pending"] <= 4
     assert x.tolist() == [10.0] * 3
+
+
+def test_a_loop_without_sync_points_is_cut_where_its_body_starts_again(monkeypatch):
+    monkeypatch.setattr(fused, "MAX_OPS", 16)  # a body of 7 ops cut every 16 ops would start chains 7 ways
+
+    def loop(x, w):
+        for _ in range(100):
+            x = (torch.tanh(x * w) + 0.5).sigmoid() * 2 - 1
+            x = x.abs()
+        return [x]
+
+    x, w = torch.linspace(-1, 1, 5, device="tpu"), torch.full((5,), 0.9, device="tpu")
+    strict = in_mode("strict", loop, x, w)
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    actual = [t.cpu() for t in loop(x, w)]
+    stats = fused.stats()
+    assert stats["ops"] == 700 and stats["flushes"] >= 700 // 16
+    # the first chain (cut at 16 ops), then chains of two whole bodies from where it stopped, then the rest
+    assert stats["program_misses"] <= 3
+    assert_bitwise(actual, strict)
+
+
+def test_a_sync_point_within_the_bound_ends_the_chain(monkeypatch):
+    monkeypatch.setattr(fused, "MAX_OPS", 16)
+    x = torch.ones(3, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    for _ in range(5):  # 15 ops between syncs, the first 10 alike: one chain each
+        for _ in range(10):
+            x = x * 1.5
+        y = (x - 1).abs().sqrt().exp()
+        assert y.sum().item() > 0
+    assert fused.stats()["flushes"] == 5 and fused.stats()["program_misses"] == 1
 
 
 def test_a_chain_that_ran_keeps_no_inputs():

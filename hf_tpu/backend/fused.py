@@ -50,7 +50,8 @@ ON = False  # MODE == "fused": read by every kernel, so a plain module flag
 DEBUG = False  # MODE == "debug"
 
 MAX_OPS = 1024
-"""A chain this long runs before more is recorded (bounds the inputs it keeps alive and its compile time)."""
+"""A chain this long runs before more is recorded (bounds the inputs it keeps alive and its compile time); one
+that follows a chain cut so may run from half as long on, where a loop body starts again (see :func:`_ends_before`)."""
 
 PROGRAM_CACHE_SIZE = 256
 """How many chain programs are kept, least recently used evicted first."""
@@ -103,44 +104,57 @@ class _Chain:
         self.inputs: list[Any] = []
         self.input_slots: list[int] = []
         self.input_signatures: list[tuple] = []
-        self.slot_of: dict[int, tuple[int, tuple]] = {}  # id(input) -> (slot, signature); inputs are kept alive
+        self.slot_of: dict[int, int] = {}  # id(input) -> its first slot; inputs are kept alive
         self.slots = 0
         self.checks = 0  # ops with a check output
+        self.after_bound = False  # the chain before it ran at the size bound (see _ends_before)
         self.error: BaseException | None = None
 
-    def ref(self, value: Any, used: list[int]) -> tuple[Any, Any]:
-        """The slot of a value an op reads, and its signature; ``used``: the input slots the op reads already."""
+    def ref(self, value: Any, signature: Any, used: list[int]) -> Any:
+        """The slot of a value an op reads (of ``signature``); ``used``: the input slots the op reads already."""
         if value is None:
-            return None, None
+            return None
         if value.__class__ is Lazy:
             if value.array is None:
                 if value.chain is not self:
                     raise _failed(value)
-                return value.slot, value.signature
+                return value.slot
             value = value.array
-        found = self.slot_of.get(id(value))
-        if found is None or found[0] in used:
-            found = (self.slots, _signature(value))
-            self.slot_of.setdefault(id(value), found)
+        slot = self.slot_of.get(id(value))
+        if slot is None or slot in used:
+            slot = self.slots
+            self.slot_of.setdefault(id(value), slot)
             self.slots += 1
             self.inputs.append(value)
-            self.input_slots.append(found[0])
-            self.input_signatures.append(found[1])
-        used.append(found[0])
-        return found
+            self.input_slots.append(slot)
+            self.input_signatures.append(signature)
+        used.append(slot)
+        return slot
 
 
-def _signature(value: Any) -> tuple:
-    """What a program traced for ``value`` depends on: shape, dtype and weak type; a Python number's type."""
+def _signature_of(value: Any) -> Any:
+    """What a program traced for an argument depends on: an array's shape, dtype and weak type (a pending
+    value's, known already), a Python number's type; ``None``; a tuple of those for a list argument."""
     kind = _kinds.get(value.__class__)
     if kind is None:  # isinstance(jax.Array) is slow: each class is classified once
-        kind = _kinds[value.__class__] = "jax" if isinstance(value, jax.Array) else (
-            "numpy" if isinstance(value, np.ndarray) else "number")
+        kind = _kinds[value.__class__] = _kind_of(value)
     if kind == "jax":
         return (value.shape, value.dtype, value.weak_type)
+    if kind == "lazy":
+        return value.signature if value.array is None else _signature_of(value.array)
+    if kind == "tuple":
+        return tuple([_signature_of(item) for item in value])
     if kind == "numpy":
         return (value.shape, value.dtype, False)
-    return (value.__class__,)
+    return None if value is None else (value.__class__,)
+
+
+def _kind_of(value: Any) -> str:
+    if value.__class__ in (Lazy, tuple):
+        return value.__class__.__name__.lower()
+    if isinstance(value, jax.Array):
+        return "jax"
+    return "numpy" if isinstance(value, np.ndarray) else "number"
 
 
 _kinds: dict[type, str] = {}
@@ -224,20 +238,19 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
     ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
     with _lock:
+        signature = tuple([_signature_of(value) for value in call])
+        trace = _traced(fn, call, signature, pair)
         chain = _chain
-        if chain.device != device or len(chain.ops) >= MAX_OPS:
+        bound = _ends_before(chain, trace)
+        if chain.device != device or bound:
             chain = _restart(device)
-        refs, signature, used = [], [], []
-        for value in call:
+            chain.after_bound = bound
+        refs, used = [], []
+        for value, sig in zip(call, signature):
             if value.__class__ is tuple:
-                found = [chain.ref(item, used) for item in value]
-                refs.append(tuple(slot for slot, _ in found))
-                signature.append(tuple(sig for _, sig in found))
+                refs.append(tuple(chain.ref(item, item_sig, used) for item, item_sig in zip(value, sig)))
             else:
-                slot, sig = chain.ref(value, used)
-                refs.append(slot)
-                signature.append(sig)
-        trace = _traced(fn, call, tuple(signature), pair)
+                refs.append(chain.ref(value, sig, used))
         op = _Op()
         op.trace, op.refs, op.first, op.name = trace, tuple(refs), chain.slots, name
         op.line = _user_line()
@@ -260,6 +273,16 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
                 _restart(device)
         result = handles[0] if trace.tree is None else jax.tree_util.tree_unflatten(trace.tree, handles)
     return (result, None) if pair else result
+
+
+def _ends_before(chain: _Chain, trace: _Trace) -> bool:
+    """Whether ``chain`` runs at the size bound before an op of ``trace`` is recorded: at :data:`MAX_OPS` ops; or,
+    if the chain before it ran at the bound too, from half as many on at an op like its first one. A loop with no
+    sync point in its body is so cut where its body starts again (where the chain started), into a few programs
+    run again and again, not at a new place in its body each time (``MAX_OPS`` ops apart), each a new program.
+    Chains that start after a sync point end at the next one, if it comes within ``MAX_OPS`` ops."""
+    length = len(chain.ops)
+    return length >= MAX_OPS or (chain.after_bound and length >= MAX_OPS // 2 and chain.ops[0].trace is trace)
 
 
 @functools.cache
@@ -428,13 +451,15 @@ def set_mode(mode: str) -> None:
 
 
 def stats() -> dict[str, int]:
-    """Counts since the last :func:`reset_stats`: ``ops`` recorded, chain runs (``flushes``), chain programs
-    found in the cache (``program_hits``) and built (``program_misses``); ``programs`` cached now and
-    ``pending`` ops recorded and not run yet."""
+    """Fused eager's counters (public: for users, tests and benchmarks), since the start or the last
+    :func:`reset_stats`: ``ops`` recorded, chain runs (``flushes``), chain programs found in the cache
+    (``program_hits``) and built (``program_misses``); and now: ``programs`` cached, ``pending`` ops recorded and
+    not run yet. A loop body recorded again and again settles to hits only."""
     return {**_stats, "programs": len(_programs), "pending": len(_chain.ops)}
 
 
 def reset_stats() -> None:
+    """Sets the counters of :func:`stats` back to zero (the cached programs stay)."""
     _stats.update(dict.fromkeys(_STATS, 0))
 
 

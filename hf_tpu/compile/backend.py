@@ -9,10 +9,11 @@ from typing import Any, Callable
 import torch
 from torch._decomp import decomposition_table
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
 
 from ..backend import runtime
-from . import graph_lowering, recompiles
+from . import graph_lowering, recompiles, warm_start
 from .stats import count
 
 
@@ -30,7 +31,7 @@ def decompositions() -> dict[Any, Callable]:
 _warned: set[str] = set()
 
 
-def _lower(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
+def _lower(graph_module: torch.fx.GraphModule) -> Callable:
     """One XLA program for the graph, or, if an operator has no graph-mode lowering, the graph run
     eagerly op by op (each op still on the device) after a one-time warning naming the operator."""
     try:
@@ -45,17 +46,29 @@ def _lower(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable
         return make_boxed_func(graph_module)
 
 
+def _compile(graph_module: torch.fx.GraphModule, example_inputs: list) -> warm_start.TpuOutputCode:
+    return warm_start.TpuOutputCode(graph_module, _lower)
+
+
+def _compiler() -> SerializableAOTDispatchCompiler:
+    """A compiler AOTAutograd can cache the result of; a new one per use, since torch wraps a backward
+    compiler's function in place."""
+    return SerializableAOTDispatchCompiler(warm_start.TpuOutputCode, _compile)
+
+
 def compile_graph(graph_module: torch.fx.GraphModule, example_inputs: list) -> Callable:
     """Compiles a Dynamo graph: forward and backward ATen graphs, each run as one XLA program.
 
     Input mutations stay in the inference graph (``keep_inference_input_mutations``, e.g. a
     StaticCache's ``index_copy_``) and are written back to the caller's tensors after each run.
+    AOTAutograd's result is kept on disk for the next process (:mod:`.warm_start`).
     """
     recompiles.enable_dynamo_log()
     backend = aot_autograd(
-        fw_compiler=_lower,
-        bw_compiler=_lower,
+        fw_compiler=_compiler(),
+        bw_compiler=_compiler(),
         decompositions=decompositions(),
         keep_inference_input_mutations=True,
     )
-    return backend(graph_module, example_inputs)
+    with warm_start.caching():
+        return backend(graph_module, example_inputs)

@@ -14,6 +14,7 @@ import collections
 import functools
 import hashlib
 import itertools
+import operator
 import sys
 import time
 from typing import Any, Callable
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import fx
+from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
@@ -30,7 +32,7 @@ from ..backend.ops.memory import to_device
 from ..backend.guard import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
-from . import recompiles
+from . import fast_call, recompiles
 from .graph_random import RANDOM_LOWERINGS
 from .stats import count
 
@@ -205,9 +207,15 @@ def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def _is_opaque(node: fx.Node) -> bool:
+    """An opaque object (a DTensor's DeviceMesh): a non-tensor input, handed through to the results as it is."""
+    return isinstance(node.meta.get("val"), (torch.ScriptObject, FakeScriptObject))
+
+
 def _is_size(node: fx.Node) -> bool:
-    """A size or other number computed from sizes: a Python value when the graph is traced."""
-    return isinstance(node.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+    """A size or other number computed from sizes, or an opaque object: a Python value when the graph is traced."""
+    return (isinstance(node.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+            or _is_opaque(node))
 
 
 def _check_on_device(node: fx.Node) -> None:
@@ -252,11 +260,12 @@ class CompiledGraph:
         for node in self._tensor_outputs:
             _check_on_device(node)
         for node in self._size_outputs:
-            if free_unbacked_symbols(node.meta["val"]):
+            if not _is_opaque(node) and free_unbacked_symbols(node.meta["val"]):
                 raise NotImplementedError(f"tpu graph mode: graph output {node.name} is a number read from a tensor")
         self._layouts = [_dense_layout(node.meta["val"]) for node in self._tensor_outputs]
         self._executables: collections.OrderedDict[tuple, tuple[Callable, tuple]] = collections.OrderedDict()
         self._signature: tuple | None = None
+        self._plan: fast_call.CallPlan | None = None  # see __call__
         self.name = f"graph {next(_graph_numbers)}"
         self._boxed_call = True  # in the instance dict, so that the wrappers Dynamo adds copy it
         count("graphs")
@@ -334,22 +343,31 @@ class CompiledGraph:
         tensors = [args[i] for i in self._tensor_positions]
         static_values = tuple(args[i] for i in self._static_positions)
         args.clear()  # boxed convention: inputs (saved activations in backward) may die early
-        device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
-        arrays = [_read(t, device_index) for t in tensors + self._constants]
-        shardings = None
-        if any(type(a.sharding) is not storage.ONE_CHIP for a in arrays):  # sharded tensors among the inputs
-            arrays, device_index, shardings = _on_one_mesh(tensors + self._constants, arrays, device_index)
+        inputs = tensors + self._constants
+        plan = self._plan
+        arrays = plan.read(inputs, static_values) if plan is not None else None
+        fast = arrays is not None
+        if fast:  # called like the last time (a decode step): no placement to work out
+            device_index, shardings = plan.device_index, None
+        else:
+            device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
+            arrays = [_read(t, device_index) for t in inputs]
+            shardings = None
+            if any(type(a.sharding) is not storage.ONE_CHIP for a in arrays):  # sharded tensors among the inputs
+                arrays, device_index, shardings = _on_one_mesh(inputs, arrays, device_index)
         donated = self._donatable(tensors, arrays)
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
         if rng is not None and shardings is not None:
             rng = jax.device_put(rng, storage.replicated(shardings[0]))  # every input is on the mesh now
-        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE, shardings)
-        compiled = _lookup(self._executables, key)
-        if compiled is None:
-            compiled = _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
-                              _EXECUTABLES_PER_GRAPH)
-        else:
+        if fast and donated == plan.donated:
+            compiled = plan.compiled
             count("cache_hits")
+            count("fast_calls")
+        else:
+            compiled = self._compiled(donated, static_values, rng, arrays, shardings)
+            self._plan = fast_call.CallPlan(inputs, arrays, device_index, static_values, donated, compiled) \
+                if inputs and shardings is None and all(type(a.sharding) is storage.ONE_CHIP for a in arrays) \
+                else None
         executable, sizes = compiled
         try:
             outputs, written, check = executable(rng, *arrays)
@@ -369,6 +387,17 @@ class CompiledGraph:
         return [values[o] if o in values else _wrap(*next(results), device_index) if isinstance(o, fx.Node) else o
                 for o in self._outputs]
 
+    def _compiled(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list,
+                  shardings: tuple | None) -> tuple:
+        """The executable for these inputs and the sizes among its results, built on first use."""
+        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE, shardings)
+        compiled = _lookup(self._executables, key)
+        if compiled is None:
+            return _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
+                          _EXECUTABLES_PER_GRAPH)
+        count("cache_hits")
+        return compiled
+
     def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held
         by nothing but its storage (and the newest-array record), passed to the program only once."""
@@ -383,7 +412,7 @@ def donatable(tensor: torch.Tensor, array: Any, arrays: list) -> bool:
     if tensor.device.type != "tpu" or storage.buffer_of(tensor).array is not array:
         return False
     references = sys.getrefcount(array) - storage.is_latest(array)
-    return references <= _OWNED_REFERENCES and sum(a is array for a in arrays) == 1
+    return references <= _OWNED_REFERENCES and sum(map(operator.is_, arrays, itertools.repeat(array))) == 1
 
 
 # References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
@@ -459,5 +488,10 @@ def _dense_layout(value: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def lower(graph_module: fx.GraphModule) -> CompiledGraph:
-    """Lowers an ATen graph; raises ``NotImplementedError`` naming the first op without a lowering."""
+    """Lowers an ATen graph; raises ``NotImplementedError`` naming the first op without a lowering. A graph
+    with collectives (``tpu_dist``) runs as one program over its group's mesh (:mod:`.graph_collectives`)."""
+    from . import graph_collectives
+
+    if graph_collectives.has_collectives(graph_module):
+        return graph_collectives.CollectiveGraph(graph_module)
     return CompiledGraph(graph_module)

@@ -12,7 +12,8 @@ def reset_compile_stats() -> None:
     """Sets every counter of :func:`compile_stats` back to zero."""
     with _lock:
         _STATS.update(
-            graphs=0, compilations=0, cache_hits=0, disk_cache_hits=0, calls=0, compile_seconds=0.0, fallbacks=0
+            graphs=0, compilations=0, cache_hits=0, disk_cache_hits=0, calls=0, compile_seconds=0.0, fallbacks=0,
+            warm_starts=0, fast_calls=0,
         )
 
 
@@ -35,7 +36,12 @@ def compile_stats() -> dict[str, float]:
     - ``cache_hits``: runs of an already built program;
     - ``compile_seconds``: wall time spent tracing, lowering and compiling (or loading) programs;
     - ``calls``: runs of a lowered graph (``compilations + cache_hits``);
-    - ``fallbacks``: graphs with an operator graph mode cannot lower, run eagerly op by op instead.
+    - ``fast_calls``: those among ``cache_hits`` that found every input as the graph's previous call left it
+      (the same weights and caches, new tensors of the same shapes: a decode step) and skipped working
+      out placement and executable again (see :mod:`.fast_call`);
+    - ``fallbacks``: graphs with an operator graph mode cannot lower, run eagerly op by op instead;
+    - ``warm_starts``: ATen graphs loaded from the on-disk cache of AOTAutograd's results instead of
+      traced (see :mod:`.warm_start`).
     """
     with _lock:
         return dict(_STATS)

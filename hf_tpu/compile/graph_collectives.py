@@ -1,0 +1,246 @@
+"""Collectives in graph mode: an ATen graph with ``_c10d_functional`` nodes runs as the rank's one XLA program.
+
+Under ``tpu_dist`` (one process per chip, :mod:`hf_tpu.distributed`) Dynamo turns ``dist.all_reduce`` and the
+functional collectives (``torch.distributed._functional_collectives``) into ``_c10d_functional.*`` nodes, each
+followed by ``wait_tensor``. Such a graph is lowered whole as the body of a ``jax.shard_map`` over its group's mesh
+(the mesh :class:`~hf_tpu.distributed.process_group.TpuProcessGroup` runs its collectives on, axis ``ranks``):
+
+- each local input becomes this rank's block of a global array, blocked along dim 0 (no copy; a 0-d value is
+  lifted to one element), and the body sees exactly the local values;
+- each collective node is the lax collective of :mod:`hf_tpu.distributed.collectives` (the eager programs' math),
+  and ``wait_tensor`` is the identity: the program orders its own communication;
+- results come back as this rank's blocks, so the caller gets local tensors as in eager mode.
+
+Every rank must run the graph with the same shapes (one SPMD program). The program runs on the collectives'
+thread, in program order with eager collectives, and waiting for it is bounded by the group's timeout. One group
+per graph (several groups over the same ranks count as one); anything else raises ``NotImplementedError``, which
+makes the graph run eagerly after the usual warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from torch import fx
+
+from ..backend import storage
+from ..distributed import collectives, dispatcher_ops, process_group
+from .graph_lowering import CompiledGraph
+from .graph_ops import graph_lowering
+
+_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+def _is_collective(node: fx.Node) -> bool:
+    """A node that communicates over a group (``wait_tensor`` has none: a graph with it alone needs no mesh)."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace in _NAMESPACES
+            and any(argument.name == "group_name" for argument in node.target._schema.arguments))
+
+
+def has_collectives(graph_module: fx.GraphModule) -> bool:
+    """Whether the graph communicates (a ``_c10d_functional`` or ``_c10d_functional_autograd`` collective)."""
+    return any(_is_collective(node) for node in graph_module.graph.nodes)
+
+
+# --- lowerings: the schema's parameters, every non-tensor one a constant; the group is the shard_map's axis ---
+
+
+@graph_lowering("_c10d_functional::wait_tensor")
+def wait_tensor(tensor):
+    return tensor
+
+
+@graph_lowering("_c10d_functional::all_reduce")
+def all_reduce(input, reduce_op, group_name):
+    return collectives.all_reduce(input, reduce_op)
+
+
+@graph_lowering("_c10d_functional::all_reduce_coalesced")
+def all_reduce_coalesced(inputs, reduce_op, group_name):
+    return [collectives.all_reduce(x, reduce_op) for x in inputs]
+
+
+@graph_lowering("_c10d_functional::all_gather_into_tensor", "_c10d_functional_autograd::all_gather_into_tensor")
+def all_gather_into_tensor(input, group_size, group_name):
+    return collectives.all_gather(input).reshape((-1, *input.shape[1:]))
+
+
+@graph_lowering("_c10d_functional::all_gather_into_tensor_coalesced")
+def all_gather_into_tensor_coalesced(inputs, group_size, group_name):
+    return [all_gather_into_tensor(x, group_size, group_name) for x in inputs]
+
+
+@graph_lowering("_c10d_functional::reduce_scatter_tensor", "_c10d_functional_autograd::reduce_scatter_tensor")
+def reduce_scatter_tensor(input, reduce_op, group_size, group_name):
+    return collectives.reduce_scatter(input, reduce_op)
+
+
+@graph_lowering("_c10d_functional::reduce_scatter_tensor_coalesced")
+def reduce_scatter_tensor_coalesced(inputs, reduce_op, group_size, group_name):
+    return [collectives.reduce_scatter(x, reduce_op) for x in inputs]
+
+
+@graph_lowering("_c10d_functional::all_to_all_single", "_c10d_functional_autograd::all_to_all_single")
+def all_to_all_single(input, output_split_sizes, input_split_sizes, group_name):
+    return collectives.all_to_all(input)  # even splits only (checked when the graph is lowered)
+
+
+@graph_lowering("_c10d_functional::broadcast")
+def broadcast(input, src, group_name):
+    return collectives.broadcast(input, src)  # src: the root's rank in the group, as c10d's rootRank
+
+
+# --- checks when the graph is lowered (a NotImplementedError there makes the graph run eagerly) -------------
+
+
+def _argument(node: fx.Node, name: str) -> Any:
+    """The node's argument for parameter ``name`` of its schema (``None`` if the schema has none)."""
+    index = next((i for i, argument in enumerate(node.target._schema.arguments) if argument.name == name), None)
+    if index is None:
+        return None
+    return node.args[index] if index < len(node.args) else node.kwargs[name]
+
+
+def _check_node(node: fx.Node, size: int) -> None:
+    """Raises ``NotImplementedError`` for a collective the program cannot express."""
+    what = f"tpu graph mode: {node.target.name()}"
+    op = _argument(node, "reduce_op")
+    if op is not None and op not in _REDUCE_OPS:
+        raise NotImplementedError(f"{what} with reduce op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
+    if op == "avg":
+        tensors = node.args[0]  # every collective's first parameter: its input, or its list of inputs
+        if not all(n.meta["val"].is_floating_point() for n in (tensors if isinstance(tensors, list) else [tensors])):
+            raise NotImplementedError(f"{what} with reduce op 'avg' needs floating-point tensors")
+    if node.target.name().endswith("all_to_all_single"):
+        rows = _argument(node, "input").meta["val"].shape[0]
+        splits = [list(_argument(node, name)) for name in ("output_split_sizes", "input_split_sizes")]
+        if not _even(rows, size, splits):
+            raise NotImplementedError(f"{what} with split sizes {splits[0]} (output) and {splits[1]} (input) of "
+                                      f"{rows} rows: only even splits over the {size} ranks are compiled")
+
+
+def _even(rows: Any, size: int, splits: list[list[Any]]) -> bool:
+    """Whether both split lists cut the ``rows`` into ``size`` equal blocks (empty lists: even ones). A symbolic
+    split (a graph node, with ``dynamic=True``) counts as even when it is the one split of both lists."""
+    given = [split for split in splits if split]
+    blocks = {id(block) if isinstance(block, fx.Node) else block for split in given for block in split}
+    if any(len(split) != size for split in given) or len(blocks) > 1:
+        return False
+    return not (isinstance(rows, int) and (rows % size or blocks - {rows // size}))
+
+
+def _group(node: fx.Node) -> process_group.TpuProcessGroup:
+    try:
+        return dispatcher_ops._group(_argument(node, "group_name"), node.target.name())
+    except ValueError as error:  # not a tpu_dist group: the eager kernel says what to do
+        raise NotImplementedError(f"tpu graph mode: {error}") from error
+
+
+def graph_group(graph_module: fx.GraphModule) -> process_group.TpuProcessGroup:
+    """The one ``tpu_dist`` group the graph's collectives run over, each collective checked; raises
+    ``NotImplementedError`` for several groups (of different ranks) or a collective the program cannot express."""
+    groups = {}
+    for node in graph_module.graph.nodes:
+        if _is_collective(node):
+            group = _group(node)
+            groups.setdefault(group._ranks, group)
+            _check_node(node, group.size())
+    if len(groups) != 1:
+        raise NotImplementedError(
+            "tpu graph mode: a graph with collectives over several process groups (ranks "
+            f"{' and '.join(str(list(ranks)) for ranks in groups)}); only one group per graph is compiled: put "
+            "torch._dynamo.graph_break() between the collectives of different groups")
+    return next(iter(groups.values()))
+
+
+# --- the program -----------------------------------------------------------------------------------------
+
+
+def _lift(value: Any) -> Any:
+    """A 0-d value as one element (a block along dim 0 needs a dim 0)."""
+    return value.reshape(1) if value.ndim == 0 else value
+
+
+def _block(mesh: Mesh, local: Any) -> Any:
+    """This rank's ``local`` array (on its chip) as its block, along dim 0, of a global array over ``mesh``."""
+    local = _lift(local)
+    shape = (mesh.devices.size * local.shape[0], *local.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, PartitionSpec(collectives.AXIS)),
+                                                    [local])
+
+
+def _local(value: Any, scalar: bool) -> Any:
+    """This rank's block of a global result."""
+    block = value.addressable_shards[0].data
+    return block.reshape(()) if scalar else block
+
+
+def _is_scalar(node: fx.Node) -> bool:
+    return node.meta["val"].ndim == 0
+
+
+class CollectiveGraph(CompiledGraph):
+    """A :class:`CompiledGraph` with collectives: the graph is the body of one ``shard_map`` over its group's
+    mesh (see the module docstring); it is called, and returns, like any compiled graph."""
+
+    def __init__(self, graph_module: fx.GraphModule) -> None:
+        self._group = graph_group(graph_module)  # before the base class counts the graph
+        super().__init__(graph_module)
+        self._scalar_outputs = [_is_scalar(node) for node in self._tensor_outputs]
+        self._scalar_written = [_is_scalar(node) for node in self._mutation_nodes]
+
+    def pure_function(self, static_values: tuple = ()) -> Callable[..., tuple]:
+        raise NotImplementedError("a graph with collectives cannot be saved ahead of time: it runs as one program "
+                                  "per process of a tpu_dist group; export the model without torch.distributed")
+
+    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:
+        """The base class's executable for the global arrays of these blocks, wrapped to take and return local
+        arrays, run on the collectives' thread and waited for with the group's timeout."""
+        if any(storage.is_spread(a) for a in arrays):
+            raise ValueError("tpu_dist: a compiled graph with collectives takes tensors on one chip per process; "
+                             "gather a tensor sharded over this process's chips onto one first.")
+        chip = storage.chip_index(next(iter(arrays[0].devices()))) if arrays else 0
+        mesh = self._group._mesh(chip)
+        shapes = tuple(a.shape for a in arrays)
+        blocks = [_block(mesh, a) for a in arrays]
+        executable, sizes = super()._executable(donated, (static_values, shapes, chip), _block_or_none(mesh, rng),
+                                                blocks)
+        return self._run_in_order(executable, mesh), sizes
+
+    def _run_in_order(self, executable: Callable, mesh: Mesh) -> Callable:
+        """``executable`` as a function of local arrays, run after the collectives issued before it (on the
+        collectives' thread, see :class:`~hf_tpu.distributed.process_group.TpuProcessGroup`)."""
+        group = self._group
+
+        def run(rng: Any, *arrays: Any) -> tuple:
+            blocks = [_block(mesh, a) for a in arrays]
+            rng = _block_or_none(mesh, rng)
+            future = process_group._in_order().submit(lambda: jax.block_until_ready(executable(rng, *blocks)))
+            process_group.TpuWork(future, [], group._timeout, f"compiled {self.name}", group._ranks).wait()
+            outputs, written, check = future.result()
+            return ([_local(v, s) for v, s in zip(outputs, self._scalar_outputs)],
+                    [_local(v, s) for v, s in zip(written, self._scalar_written)],
+                    None if check is None else _local(check, False))
+
+        return run
+
+    def _trace(self, static: tuple, rng: Any, *blocks: Any) -> tuple[tuple, tuple, Any]:
+        """The graph over the global arrays: the base class's trace of the local blocks, inside a shard_map."""
+        static_values, shapes, chip = static
+        trace = super()._trace
+
+        def per_rank(rng: Any, *blocks: Any) -> tuple:
+            arrays = [block.reshape(shape) for block, shape in zip(blocks, shapes)]
+            return jax.tree.map(_lift, trace(static_values, rng, *arrays))
+
+        blocked = PartitionSpec(collectives.AXIS)
+        return jax.shard_map(per_rank, mesh=self._group._mesh(chip), in_specs=blocked, out_specs=blocked)(rng, *blocks)
+
+
+def _block_or_none(mesh: Mesh, rng: Any) -> Any:
+    return None if rng is None else _block(mesh, rng)
