@@ -66,16 +66,13 @@ def add_chain_jax(length: int, repeats: int) -> float:
     return best_seconds(run, repeats) / length
 
 
-def llama_forward(device: str, mode: str, repeats: int) -> float:
-    """Seconds per tiny Llama forward on ``device`` (tpu in eager ``mode``)."""
-    model, input_ids = tiny_llama()
-    model, input_ids = model.to(device).eval(), input_ids.to(device)
+def timed_in_mode(device: str, mode: str, step: Callable[[], None], repeats: int) -> float:
+    """Best seconds of ``step`` on ``device`` (tpu in eager ``mode``, synchronized after each step)."""
     if device == "tpu":
         torch.tpu.set_eager_mode(mode)
 
     def run() -> None:
-        with torch.no_grad():
-            model(input_ids)
+        step()
         if device == "tpu":
             torch.tpu.synchronize()
 
@@ -84,6 +81,18 @@ def llama_forward(device: str, mode: str, repeats: int) -> float:
     finally:
         if device == "tpu":
             torch.tpu.set_eager_mode("strict")
+
+
+def llama_forward(device: str, mode: str, repeats: int) -> float:
+    """Seconds per tiny Llama forward on ``device`` (tpu in eager ``mode``)."""
+    model, input_ids = tiny_llama()
+    model, input_ids = model.to(device).eval(), input_ids.to(device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(input_ids)
+
+    return timed_in_mode(device, mode, forward, repeats)
 
 
 def llama_training_step(device: str, mode: str, repeats: int) -> float:
@@ -91,21 +100,13 @@ def llama_training_step(device: str, mode: str, repeats: int) -> float:
     model, input_ids = tiny_llama()
     model, input_ids = model.to(device).train(), input_ids.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if device == "tpu":
-        torch.tpu.set_eager_mode(mode)
 
-    def run() -> None:
+    def step() -> None:
         model(input_ids, labels=input_ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if device == "tpu":
-            torch.tpu.synchronize()
 
-    try:
-        return best_seconds(run, repeats)
-    finally:
-        if device == "tpu":
-            torch.tpu.set_eager_mode("strict")
+    return timed_in_mode(device, mode, step, repeats)
 
 
 def compare_with_cpu(title: str, workload: Callable[[str, str, int], float], goal: float, repeats: int) -> None:
