@@ -206,18 +206,23 @@ def test_a_loop_body_runs_one_cached_program():
         assert (state * state).sum().item() == expected
 
 
-def train_eagerly(model, inputs, targets, steps: int, loss_fn) -> tuple[list[float], list[dict]]:
-    """``steps`` AdamW steps in the current eager mode, each read by ``loss.item()``; the losses, and after each
-    step the fused eager counters with the live tpu bytes."""
+def train_eagerly(mode: str, model, inputs, targets, steps: int, loss_fn) -> tuple[list[float], list[dict]]:
+    """``steps`` AdamW steps in eager ``mode``, each read by ``loss.item()``; the losses, and after each step the
+    fused eager counters with the live tpu bytes."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, counters = [], []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = loss_fn(model, inputs, targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        counters.append({**fused.stats(), "bytes": torch.tpu.memory_allocated()})
+    torch.tpu.set_eager_mode(mode)
+    fused.reset_stats()
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = loss_fn(model, inputs, targets)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            counters.append({**fused.stats(), "bytes": torch.tpu.memory_allocated()})
+    finally:
+        torch.tpu.set_eager_mode("strict")
     return losses, counters
 
 
@@ -245,12 +250,7 @@ def test_a_thousand_training_steps_run_cached_programs_without_growth():
         torch.manual_seed(3)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to("tpu")
         inputs, targets = torch.randn(32, 8).to("tpu"), torch.randn(32, 1).to("tpu")
-        torch.tpu.set_eager_mode(mode)
-        fused.reset_stats()
-        try:
-            return train_eagerly(model, inputs, targets, 1000, mlp_loss)
-        finally:
-            torch.tpu.set_eager_mode("strict")
+        return train_eagerly(mode, model, inputs, targets, 1000, mlp_loss)
 
     strict_losses, _ = run("strict")
     losses, counters = run("fused")
@@ -263,13 +263,7 @@ def test_tiny_llama_training_steps_reach_a_steady_program_cache():
     ids = (torch.arange(16).reshape(2, 8) % 128).to("tpu")
 
     def run(mode: str):
-        model = tiny_llama(num_hidden_layers=1).to("tpu")
-        torch.tpu.set_eager_mode(mode)
-        fused.reset_stats()
-        try:
-            return train_eagerly(model, ids, None, 8, llama_loss)
-        finally:
-            torch.tpu.set_eager_mode("strict")
+        return train_eagerly(mode, tiny_llama(num_hidden_layers=1).to("tpu"), ids, None, 8, llama_loss)
 
     strict_losses, _ = run("strict")
     losses, counters = run("fused")
