@@ -81,14 +81,7 @@ def distribute(tensor: torch.Tensor, devices: Devices = None, spec: Spec = None)
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"distribute takes a torch.Tensor, not {type(tensor).__name__}")
-    grid = devices if isinstance(devices, Mesh) else mesh(devices)
-    partition = _partition_spec(spec, grid)
-    _check_divisible(tuple(tensor.shape), partition, grid)
-    first = [storage.chip_index(device) for device in grid.devices.flat][0]  # refuses devices that are not chips
-    if grid.devices.size == 1:
-        sharding = jax.sharding.SingleDeviceSharding(grid.devices.flat[0])
-    else:
-        sharding = NamedSharding(grid, partition)
+    first, sharding = _placed(tuple(tensor.shape), devices, spec)
     source = tensor.detach()
     from_host = source.device.type == "cpu"
     if from_host:  # the host array straight onto its shards: no whole copy on any chip
@@ -106,14 +99,21 @@ def distribute(tensor: torch.Tensor, devices: Devices = None, spec: Spec = None)
 def zeros(shape: Sequence[int], dtype: torch.dtype, devices: Devices = None, spec: Spec = None) -> torch.Tensor:
     """A new tpu tensor of zeros sharded over ``devices`` as ``spec`` says (see :func:`distribute`), made on its
     shards: each chip allocates only its own part, none ever holds it whole."""
-    grid = devices if isinstance(devices, Mesh) else mesh(devices)
-    partition = _partition_spec(spec, grid)
-    _check_divisible(tuple(shape), partition, grid)
-    first = [storage.chip_index(device) for device in grid.devices.flat][0]
-    sharding = (jax.sharding.SingleDeviceSharding(grid.devices.flat[0]) if grid.devices.size == 1
-                else NamedSharding(grid, partition))
+    first, sharding = _placed(tuple(shape), devices, spec)
     array = _zeros_program(tuple(shape), dtypes.to_jax(dtype), sharding)()
     return storage.wrap(array, dtype, first)
+
+
+def _placed(shape: tuple[int, ...], devices: Devices, spec: Spec) -> tuple[int, jax.sharding.Sharding]:
+    """The first chip and the sharding of a tensor of ``shape`` split over ``devices`` as ``spec`` says (a
+    one-chip mesh: that chip alone); refuses devices that are not chips and dims that do not split evenly."""
+    grid = devices if isinstance(devices, Mesh) else mesh(devices)
+    partition = _partition_spec(spec, grid)
+    _check_divisible(shape, partition, grid)
+    first = [storage.chip_index(device) for device in grid.devices.flat][0]
+    if grid.devices.size == 1:
+        return first, jax.sharding.SingleDeviceSharding(grid.devices.flat[0])
+    return first, NamedSharding(grid, partition)
 
 
 @functools.lru_cache(maxsize=64)

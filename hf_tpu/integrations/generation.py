@@ -90,9 +90,9 @@ def _install_sharded_static_cache(cache_utils: Any) -> None:
     def lazy_initialization(self: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """For sharded states, transformers' own initialization runs on meta stand-ins (shapes only), then the
         buffers are made as sharded zeros, so no chip ever holds the whole cache."""
-        spread = (key_states.device.type == "tpu" and not torch.compiler.is_compiling()
-                  and _spread_spec(key_states) is not None)
-        if not spread:
+        placements = ({"keys": _spread_spec(key_states), "values": _spread_spec(value_states)}
+                      if key_states.device.type == "tpu" and not torch.compiler.is_compiling() else {})
+        if not placements or None in placements.values():
             return initialize(self, key_states, value_states)
         from .. import sharding
 
@@ -102,8 +102,7 @@ def _install_sharded_static_cache(cache_utils: Any) -> None:
             if getattr(self, name) is not value and getattr(self, name).device.type == "meta":
                 setattr(self, name, value.to(key_states.device))
         self.device = key_states.device
-        for name, states in (("keys", key_states), ("values", value_states)):
-            grid, spec = _spread_spec(states)
+        for name, (grid, spec) in placements.items():
             buffer = getattr(self, name)
             setattr(self, name, sharding.zeros(buffer.shape, buffer.dtype, grid, spec))
             torch._dynamo.mark_static_address(getattr(self, name))
