@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
 import torch
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
+
+
+MAX_WORKERS = 8
+"""``-n auto`` starts one worker per core up to this: each worker holds torch, JAX and the models of its tests, and
+a multi-process test starts up to four processes more. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets the number instead."""
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    return int(chosen) if chosen else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
 
 
 def to_tpu(value: Any) -> Any:

@@ -128,7 +128,7 @@ def test_hf_tpu_info_runs():
 def test_readme_set_up_commands_install_cpu_torch_first():
     commands = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("pip install")]
     assert any(line.endswith("hf-tpu demo") for line in commands), commands
-    assert any(line.endswith("python -m pytest") for line in commands), commands
+    assert any(line.endswith("python -m pytest -n auto --dist loadfile") for line in commands), commands
     for command in commands:  # otherwise pip resolves torch for hf-tpu's dependencies: a CUDA build
         assert command.startswith("pip install torch==2.13.0 && "), command
 
