@@ -148,9 +148,36 @@ def test_lazy_empty_and_copy_into_recorded_values():
     torch.tpu.set_eager_mode("fused")
     a = torch.ones(3, device="tpu") * 5
     b = torch.empty(3, device="tpu")
-    b.copy_(a)  # copy_ reads a: runs the chain
+    b.copy_(a)
     c = torch.empty_like(a).fill_(2) + b
     assert c.tolist() == [7.0, 7.0, 7.0]
+
+
+def copies(x, z):
+    """Copies and casts on one chip, of pending values and of views of them."""
+    y = x * 3
+    into = torch.zeros(4, 6, device=x.device, dtype=torch.bfloat16)
+    into[:, 1:4].copy_(y.t()[:4, :3])  # a view into a view, cast on the way
+    halves = (y + 1).to(torch.float16)
+    strided = y.t().contiguous().to(memory_format=torch.contiguous_format)
+    real = torch.empty(4, device=x.device)
+    with pytest.warns(UserWarning, match="discards the imaginary part"):
+        real.copy_(z * 2)
+    return [into, halves, strided, y.clone(), real]
+
+
+def test_copies_on_one_chip_are_recorded_and_match_strict():
+    x, z = torch.randn(6, 4), torch.randn(4, dtype=torch.complex64)
+    expected = copies(x, z)
+    strict = in_mode("strict", copies, x.to("tpu"), z.to("tpu"))
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    results = copies(x.to("tpu"), z.to("tpu"))
+    assert fused.stats()["flushes"] == 0 and fused.stats()["pending"] > 0  # nothing ran yet
+    actual = [t.cpu() for t in results]
+    assert_bitwise(actual, strict)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
 
 
 def tiny_training_step(model, ids):
@@ -269,6 +296,8 @@ def test_tiny_llama_training_steps_reach_a_steady_program_cache():
     losses, counters = run("fused")
     assert losses == strict_losses
     assert_steady_after(counters, warmup=3)
+    # one chain per step, run by loss.item(): the gradients' and the optimizer's copies are recorded too
+    assert [later["flushes"] - earlier["flushes"] for earlier, later in zip(counters, counters[1:])] == [1] * 7
 
 
 def test_the_program_cache_is_bounded(monkeypatch):

@@ -8,7 +8,8 @@
   :class:`Lazy` values (shape and dtype known, elements not computed) that storages hold in place of arrays. The
   chain runs as one ``jax.jit`` of the recorded programs, in order, when a value is needed: a storage read that
   needs an array (``.item()``, ``.cpu()``, printing, hand-written kernels and fallbacks reading their inputs,
-  collectives, compiled graphs), ``torch.tpu.synchronize()``, a host sync of the deferred checks, an op on
+  collectives, compiled graphs), ``torch.tpu.synchronize()``, a change of the current stream and a read of a
+  stream's or an event's work (``record``, ``query``, ``synchronize``), a host sync of the deferred checks, an op on
   another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops. Programs are cached by the
   chain's structure (the programs, which inputs feed which op, the inputs' shapes and dtypes, which results are
   still referenced), least recently used evicted past :data:`PROGRAM_CACHE_SIZE`, so a loop body recorded again

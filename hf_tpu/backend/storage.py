@@ -372,15 +372,17 @@ def _apply_bits(values: Any, conjugated: bool, negated: bool) -> Any:
     return -values if negated else values
 
 
-def read(tensor: torch.Tensor) -> Any:
-    """The tensor's values as a JAX array of its shape and dtype."""
+def read(tensor: torch.Tensor, pending: bool = False) -> Any:
+    """The tensor's values as a JAX array of its shape and dtype; with ``pending``, in fused eager mode, a value
+    not computed yet stays a :class:`fused.Lazy` one (and a view of it is recorded), for a kernel that only hands
+    it on to recorded programs and writes."""
     buffer = buffer_of(tensor)
     array = buffer.array
     if array is None:
-        array = buffer.materialize()
+        array = buffer.current() if pending else buffer.materialize()
     if array.shape == tensor.shape and is_whole(tensor, buffer):
         return array
-    return _view_reader(view_geometry(tensor, buffer))(array)
+    return fused.apply(_view_reader(view_geometry(tensor, buffer)), "view read", buffer.device_index, array)
 
 
 def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -125,6 +126,7 @@ class Stream(torch._C.Stream):
 
     def _markers(self) -> tuple:
         """What the stream's work so far completes with: futures of queued copies, JAX arrays."""
+        _run_recorded()
         if self._worker is None:
             from . import storage
 
@@ -172,6 +174,8 @@ def set_stream(stream: torch.Stream | None) -> None:
     stream = _resolve(stream)
     current = _local.__dict__.setdefault("current", {})
     previous = current.get(stream.device_index)
+    if previous is not stream:
+        _run_recorded()
     current[stream.device_index] = stream
     change = (stream._worker is not None) - (previous is not None and previous._worker is not None)
     if change:
@@ -180,6 +184,14 @@ def set_stream(stream: torch.Stream | None) -> None:
         with _lock:
             _side_streams_current += change
             storage.stream_tracker = _track if _side_streams_current else None
+
+
+def _run_recorded() -> None:
+    """Runs the ops fused eager mode recorded (a sync point): before the current stream changes, so that their work
+    is the stream's that was current when they were issued, and before a stream's work is read."""
+    fused = sys.modules.get(f"{__package__}.fused")  # not imported before the device's first op
+    if fused is not None and fused.ON:
+        fused.flush()
 
 
 def _track(array: Any, device_index: int) -> None:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import checks, device_module, dtypes, pinned, runtime, storage, streams
+from .. import checks, device_module, dtypes, fused, pinned, runtime, storage, streams
 from ..dispatch import check_no_internal_overlap, device_mismatch, kernel, lowering
 
 
@@ -161,8 +161,8 @@ def copy_(self, src, non_blocking=False):
     index = _device_index_of(self)
     transfer = True
     if src.device.type == "tpu":
-        value = storage.read(src)
         transfer = _device_index_of(src) != index
+        value = storage.read(src, pending=not transfer)  # a copy on one chip is recorded in fused eager mode
         if transfer:
             value = jax.device_put(value, runtime.device(index))
     elif src.device.type in ("cpu", "meta"):
@@ -182,9 +182,9 @@ def copy_(self, src, non_blocking=False):
             value = streams.run_copy(stream, _transferred, src, self.dtype, index)
     else:
         raise device_mismatch(self.device, src.device)
-    if self.is_complex() is False and jnp.iscomplexobj(value):
+    if self.is_complex() is False and jnp.issubdtype(value.dtype, jnp.complexfloating):
         _warn_if_discarding_imaginary(src.dtype, self.dtype)
-        value, transfer = value.real, False
+        value, transfer = fused.apply(_real, "real", index, value), False
     storage.write(self, value, transfer)
     return self
 
@@ -246,12 +246,12 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     if target.type == "tpu":
         _warn_if_discarding_imaginary(self.dtype, dtype)
         index = _index(target)
-        value = storage.read(self)
         transfer = _device_index_of(self) != index
+        value = storage.read(self, pending=not transfer)
         if transfer:
             value = jax.device_put(value, runtime.device(index))
         if value.dtype != dtypes.to_jax(dtype):
-            value, transfer = _astype(dtypes.to_jax(dtype))(value), False
+            value, transfer = fused.apply(_astype(dtypes.to_jax(dtype)), "cast", index, value), False
         return _device_result(value, dtype, index, stride, transfer)
     stream = streams.copy_stream(_device_index_of(self))
     if stream is not None and non_blocking and target.type == "cpu":  # into pinned memory, as CUDA does
@@ -270,6 +270,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
 
 
 _astype_cache: dict[Any, Any] = {}
+_real = jax.jit(jnp.real)
 
 
 def _astype(dtype: Any):
