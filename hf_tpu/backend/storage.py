@@ -382,7 +382,8 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
         array = buffer.current() if pending else buffer.materialize()
     if array.shape == tensor.shape and is_whole(tensor, buffer):
         return array
-    return fused.apply(_view_reader(view_geometry(tensor, buffer)), "view read", buffer.device_index, array)
+    reader = _view_reader(view_geometry(tensor, buffer))
+    return fused.apply(reader, "view read", buffer.device_index, array) if pending else reader(array)
 
 
 def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:

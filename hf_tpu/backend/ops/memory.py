@@ -184,7 +184,7 @@ def copy_(self, src, non_blocking=False):
         raise device_mismatch(self.device, src.device)
     if self.is_complex() is False and jnp.issubdtype(value.dtype, jnp.complexfloating):
         _warn_if_discarding_imaginary(src.dtype, self.dtype)
-        value, transfer = fused.apply(_real, "real", index, value), False
+        value, transfer = fused.apply(_astype(dtypes.to_jax(self.dtype)), "cast", index, value), False
     storage.write(self, value, transfer)
     return self
 
@@ -270,7 +270,6 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
 
 
 _astype_cache: dict[Any, Any] = {}
-_real = jax.jit(jnp.real)
 
 
 def _astype(dtype: Any):
