@@ -66,15 +66,17 @@ def add_chain_jax(length: int, repeats: int) -> float:
     return best_seconds(run, repeats) / length
 
 
-def timed_in_mode(device: str, mode: str, step: Callable[[], None], repeats: int) -> float:
-    """Best seconds of ``step`` on ``device`` (tpu in eager ``mode``, synchronized after each step)."""
+def timed_in_mode(device: str, mode: str, step: Callable[[], object], repeats: int) -> float:
+    """Best seconds of ``step`` on ``device`` (tpu in eager ``mode``, synchronized after each step). What
+    ``step`` returns is held over the sync: fused eager computes only results that are still referenced."""
     if device == "tpu":
         torch.tpu.set_eager_mode(mode)
 
     def run() -> None:
-        step()
+        result = step()
         if device == "tpu":
             torch.tpu.synchronize()
+        del result
 
     try:
         return best_seconds(run, repeats)
@@ -88,9 +90,9 @@ def llama_forward(device: str, mode: str, repeats: int) -> float:
     model, input_ids = tiny_llama()
     model, input_ids = model.to(device).eval(), input_ids.to(device)
 
-    def forward() -> None:
+    def forward() -> torch.Tensor:
         with torch.no_grad():
-            model(input_ids)
+            return model(input_ids).logits
 
     return timed_in_mode(device, mode, forward, repeats)
 

@@ -323,6 +323,19 @@ def test_the_chain_length_is_bounded(monkeypatch):
     assert x.tolist() == [10.0] * 3
 
 
+def test_the_chain_work_is_bounded(monkeypatch):
+    monkeypatch.setattr(fused, "MAX_WORK", 100)  # elements of the results: four ops of 30 elements, at most
+    x = torch.zeros(30, device="tpu")
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    for _ in range(12):
+        x = x + 1
+        assert fused.stats()["pending"] <= 4
+    # cut at 4 ops (120 elements), then at half the work where the loop body starts again: 4 + 2 + 2 + 2 ran
+    assert fused.stats()["flushes"] == 4 and fused.stats()["pending"] == 2
+    assert x.tolist() == [12.0] * 30
+
+
 def test_a_loop_without_sync_points_is_cut_where_its_body_starts_again(monkeypatch):
     monkeypatch.setattr(fused, "MAX_OPS", 16)  # a body of 7 ops cut every 16 ops would start chains 7 ways
 

@@ -337,6 +337,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     first_tensor = tensor_slots[0][1] if tensor_slots and tensor_slots[0][2] == _TENSOR else None
     n_inputs = len(inputs)
     layout_indices = [index for _, index, kind in tensor_slots if kind != _TENSOR_LIST] if entry.sees_layout else ()
+    op_name = op.name()
 
     @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
     def compile_for(key: tuple) -> Callable:
@@ -364,7 +365,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
         # keep_unused: unused inputs still pin the chip
-        program = tpu_lowering.checked(op.name(), jax.jit(traced, keep_unused=True))
+        program = tpu_lowering.checked(op_name, jax.jit(traced, keep_unused=True))
         return runtime.waiting_if_interpreted(program) if entry.calls_kernels else program
 
     def run(*args, **kwargs):
@@ -426,13 +427,13 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             recorded = reader.recording and not reader.mixed
             try:
                 if recorded:
-                    result, check = fused.record(fn, dynamic, op.name(), _device_of(reader, bound, device_arg))
+                    result, check = fused.record(fn, dynamic, op_name, _device_of(reader, bound, device_arg))
                 else:
                     result, check = fn(*dynamic)
             except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
-                raise RuntimeError(f"{op.name()}: {error}") from error
+                raise RuntimeError(f"{op_name}: {error}") from error
             if fused.DEBUG:
-                fused.settle(op.name(), result, check)
+                fused.settle(op_name, result, check)
             elif check is not None:
                 defer_check(check, reader.device_index or 0)
 
@@ -497,10 +498,19 @@ def _memory_order(bound: list, first: int, tensor_slots: list) -> tuple[int, ...
     stride = tensor.stride()
     if len(set(stride)) != len(stride) or 0 in stride:
         return None
-    shapes = [bound[index].shape for _, index, _ in tensor_slots if isinstance(bound[index], torch.Tensor)]
-    if torch.broadcast_shapes(*shapes) != tensor.shape:
+    shape = tuple(tensor.shape)
+    shapes = [tuple(bound[index].shape) for _, index, _ in tensor_slots if isinstance(bound[index], torch.Tensor)]
+    if not all(_broadcasts_to(other, shape) for other in shapes):
+        torch.broadcast_shapes(*shapes)  # torch's error for shapes that do not broadcast at all
         return None
     return tuple(sorted(range(tensor.dim()), key=lambda dim: -stride[dim]))
+
+
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Whether broadcasting ``shape`` with ``target`` gives ``target`` (``torch.broadcast_shapes`` is slow)."""
+    if len(shape) > len(target):
+        return False
+    return all(size == 1 or size == goal for size, goal in zip(reversed(shape), reversed(target)))
 
 
 def _wrap_in_order(physical: Any, order: tuple[int, ...], device_index: int) -> torch.Tensor:

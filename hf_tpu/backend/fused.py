@@ -10,7 +10,8 @@
   needs an array (``.item()``, ``.cpu()``, printing, hand-written kernels and fallbacks reading their inputs,
   collectives, compiled graphs), ``torch.tpu.synchronize()``, a change of the current stream and a read of a
   stream's or an event's work (``record``, ``query``, ``synchronize``), a host sync of the deferred checks, an op on
-  another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops. Programs are cached by the
+  another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops or :data:`MAX_WORK` result
+  elements. Programs are cached by the
   chain's structure (the programs, which inputs feed which op, the inputs' shapes and dtypes, which results are
   still referenced), least recently used evicted past :data:`PROGRAM_CACHE_SIZE`, so a loop body recorded again
   runs the program built for it the first time;
@@ -53,6 +54,13 @@ DEBUG = False  # MODE == "debug"
 MAX_OPS = 1024
 """A chain this long runs before more is recorded (bounds the inputs it keeps alive and its compile time); one
 that follows a chain cut so may run from half as long on, where a loop body starts again (see :func:`_ends_before`)."""
+
+MAX_WORK = 1 << 20
+"""A chain whose results hold this many elements runs before more is recorded (as for :data:`MAX_OPS`, one that
+follows a chain cut so may run from half as many on). A chain's run is dispatched asynchronously, so the chip
+computes it while the host records the next one, as strict mode's per-op dispatch overlaps: a tiny Llama forward
+takes 0.72x the time of one chain ending at the sync point, on a 2-core host (benchmarks/fused_eager.py); chains
+of cheap ops run rarely, each run costing some host time."""
 
 PROGRAM_CACHE_SIZE = 256
 """How many chain programs are kept, least recently used evicted first."""
@@ -108,6 +116,7 @@ class _Chain:
         self.slot_of: dict[int, int] = {}  # id(input) -> its first slot; inputs are kept alive
         self.slots = 0
         self.checks = 0  # ops with a check output
+        self.work = 0  # elements of the ops' results
         self.after_bound = False  # the chain before it ran at the size bound (see _ends_before)
         self.error: BaseException | None = None
 
@@ -189,7 +198,7 @@ class _Trace:
     of its result (``None`` for one array), per result leaf (shape, dtype, signature, size), ``check``: whether the
     last output is a check."""
 
-    __slots__ = ("jaxpr", "tree", "leaves", "check")
+    __slots__ = ("jaxpr", "tree", "leaves", "check", "work")
 
 
 def _traced(fn: Callable, call: Any, signature: tuple, pair: bool) -> _Trace:
@@ -210,6 +219,7 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool) -> _Trace:
     found.tree = None if jax.tree_util.treedef_is_leaf(tree) and leaves else tree
     found.leaves = tuple((leaf.shape, leaf.dtype, (leaf.shape, leaf.dtype, leaf.weak_type), int(np.prod(leaf.shape)))
                          for leaf in leaves)
+    found.work = sum(leaf[3] for leaf in found.leaves)
     _traces[key] = found
     if len(_traces) > storage.PROGRAMS_PER_CACHE:
         _traces.popitem(last=False)
@@ -239,7 +249,8 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
     ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
     with _lock:
-        signature = tuple([_signature_of(value) for value in call])
+        signature = tuple([value.signature if value.__class__ is Lazy and value.array is None else _signature_of(value)
+                           for value in call])
         trace = _traced(fn, call, signature, pair)
         chain = _chain
         bound = _ends_before(chain, trace)
@@ -249,7 +260,9 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         refs, used = [], []
         for value, sig in zip(call, signature):
             if value.__class__ is tuple:
-                refs.append(tuple(chain.ref(item, item_sig, used) for item, item_sig in zip(value, sig)))
+                refs.append(tuple([chain.ref(item, item_sig, used) for item, item_sig in zip(value, sig)]))
+            elif value.__class__ is Lazy and value.chain is chain:  # the common case, inline
+                refs.append(value.slot)
             else:
                 refs.append(chain.ref(value, sig, used))
         op = _Op()
@@ -267,6 +280,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
             handles.append(handle)
         op.outputs = [weakref.ref(handle) for handle in handles]
         chain.ops.append(op)
+        chain.work += trace.work
         _stats["ops"] += 1
         if trace.check:
             chain.checks += 1
@@ -277,13 +291,15 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
 
 
 def _ends_before(chain: _Chain, trace: _Trace) -> bool:
-    """Whether ``chain`` runs at the size bound before an op of ``trace`` is recorded: at :data:`MAX_OPS` ops; or,
-    if the chain before it ran at the bound too, from half as many on at an op like its first one. A loop with no
+    """Whether ``chain`` runs at the size bound before an op of ``trace`` is recorded: at :data:`MAX_OPS` ops or
+    :data:`MAX_WORK` result elements; or, if the chain before it ran at the bound too, from half as many on at an op
+    like its first one. A loop with no
     sync point in its body is so cut where its body starts again (where the chain started), into a few programs
     run again and again, not at a new place in its body each time (``MAX_OPS`` ops apart), each a new program.
     Chains that start after a sync point end at the next one, if it comes within ``MAX_OPS`` ops."""
-    length = len(chain.ops)
-    return length >= MAX_OPS or (chain.after_bound and length >= MAX_OPS // 2 and chain.ops[0].trace is trace)
+    length, work = len(chain.ops), chain.work
+    return length >= MAX_OPS or work >= MAX_WORK or (
+        chain.after_bound and (length >= MAX_OPS // 2 or work >= MAX_WORK // 2) and chain.ops[0].trace is trace)
 
 
 @functools.cache

@@ -280,10 +280,12 @@ def _zeros_program(numel: int, dtype: Any, device_index: int) -> Any:
 
 def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
     """A tpu tensor on a new storage at ``buffer``'s address, carrying ``buffer``."""
-    if _CAN_SWAP and buffer.device_index == 0 and stride is None:  # the fast path: contiguous on chip 0
+    if _CAN_SWAP and buffer.device_index == 0:  # the fast path, on chip 0
         tensor = _create_empty(shape, buffer.dtype)
         untyped = tensor.untyped_storage()
         untyped._swap_data_ptr_(_storage_at(buffer.address, _CHIP_0, buffer.nbytes))
+        if stride is not None:
+            tensor.as_strided_(shape, stride)
     else:
         if stride is None:
             stride = torch._prims_common.make_contiguous_strides_for(shape)
