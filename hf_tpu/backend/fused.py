@@ -186,8 +186,9 @@ _shardings: dict[int, Any] = {}
 
 
 def _unchecked(fn: Callable) -> Callable:
-    """The jitted function behind the wrappers of :func:`tpu_lowering.checked` (a chain's program is checked as a
-    whole) and :func:`runtime.waiting_if_interpreted` (recorded only where nothing is interpreted)."""
+    """The jitted function behind the wrappers of :func:`tpu_lowering.checked` (a recorded op is checked when it is
+    traced, see :func:`_traced`) and :func:`runtime.waiting_if_interpreted` (recorded only where nothing is
+    interpreted)."""
     while not hasattr(fn, "trace"):
         fn = fn.__wrapped__
     return fn
@@ -201,8 +202,9 @@ class _Trace:
     __slots__ = ("jaxpr", "tree", "leaves", "check", "work")
 
 
-def _traced(fn: Callable, call: Any, signature: tuple, pair: bool) -> _Trace:
-    """``fn`` (jitted) traced for values of ``signature``, as strict mode's call of it would trace it; cached."""
+def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) -> _Trace:
+    """``fn`` (jitted) traced for values of ``signature``, as strict mode's call of it would trace it, and checked
+    for TPU chips as strict mode checks it (:func:`tpu_lowering.checked`); cached."""
     key = (fn, signature)
     found = _traces.get(key)
     if found is not None:
@@ -211,7 +213,10 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool) -> _Trace:
         tuple(_abstract(v, s) for v, s in zip(value, sig)) if value.__class__ is tuple else _abstract(value, sig)
         for value, sig in zip(call, signature)
     ]
-    traced = _unchecked(fn).trace(*abstract)
+    unchecked = _unchecked(fn)
+    traced = unchecked.trace(*abstract)
+    if tpu_lowering.MODE != "off":  # checked as strict mode checks it, once per signature; the chain is glue
+        tpu_lowering.check(name, unchecked, tuple(abstract))
     result, check = traced.out_info if pair else (traced.out_info, None)
     leaves, tree = jax.tree_util.tree_flatten(result)
     found = _Trace()
@@ -251,7 +256,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     with _lock:
         signature = tuple([value.signature if value.__class__ is Lazy and value.array is None else _signature_of(value)
                            for value in call])
-        trace = _traced(fn, call, signature, pair)
+        trace = _traced(fn, call, signature, pair, name)
         chain = _chain
         bound = _ends_before(chain, trace)
         if chain.device != device or bound:
@@ -403,7 +408,7 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
             values[first:first + len(outputs)] = outputs
         return [values[slot] for slot in live_slots], (checks._first_failure(tuple(found)) if found else None)
 
-    program = tpu_lowering.checked("fused eager chain", jax.jit(chain_program))
+    program = jax.jit(chain_program)
     return lambda *inputs: program(_gate(), *inputs)
 
 

@@ -107,5 +107,5 @@ def checked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         check(name, fn, args)
         return result
 
-    run.__wrapped__ = fn  # fused eager mode calls it inside a chain's program, which is checked as a whole
+    run.__wrapped__ = fn  # fused eager mode checks it when it records it, and runs it inside a chain's program
     return run
