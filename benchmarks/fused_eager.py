@@ -9,17 +9,22 @@ Three workloads:
 * a training step of the same model (forward with labels, backward, ``torch.optim.AdamW`` step, zeroing the
   gradients), ending with a device sync: tpu fused, tpu strict and torch CPU eager.
 
+and, over ``--steps`` training steps of the same model in fused mode, the program cache's hit rate after a
+warm-up of 10 steps (goal ~100%) with the cached programs, the device memory in use and the process's resident
+memory at step 10 and at the end (goal: no growth).
+
 Timings are the best of ``--repeats`` runs after warm-up runs that compile everything (fused programs are
 cached by the chain's structure, so the timed runs find them). Prints each time and the ratios the goals are
 stated in: fused / jax.jit per op (goal <= 1.3x), fused / torch CPU for the forward (goal <= 1.2x) and for
 the training step (goal <= 1.5x).
 
-    python benchmarks/fused_eager.py [--chain 200] [--repeats 10]
+    python benchmarks/fused_eager.py [--chain 200] [--repeats 10] [--steps 1000]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable
 
 import jax
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 import torch
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
-from hf_tpu.backend import fused
+from hf_tpu.backend import dispatch, fused
 from tiny_llama import best_milliseconds, tiny_llama
 
 
@@ -125,10 +130,44 @@ def compare_with_cpu(title: str, workload: Callable[[str, str, int], float], goa
           f"{counts['program_misses']} misses\n")
 
 
+def resident_megabytes() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def steady_state(steps: int, warmup: int = 10) -> None:
+    """Prints fused eager's program-cache hit rate over ``steps`` training steps after ``warmup``, and what the
+    caches and memory hold at the end of the warm-up and at the end."""
+    model, input_ids = tiny_llama()
+    model, input_ids = model.to("tpu").train(), input_ids.to("tpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    torch.tpu.set_eager_mode("fused")
+    try:
+        marks = {}
+        for step in range(steps):
+            model(input_ids, labels=input_ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            torch.tpu.synchronize()
+            if step + 1 in (warmup, steps):
+                marks[step + 1] = {**fused.stats(), "eager programs": dispatch.eager_program_count(),
+                                   "device MiB": torch.tpu.memory_allocated() / 2**20, "RSS MiB": resident_megabytes()}
+    finally:
+        torch.tpu.set_eager_mode("strict")
+    start, end = marks[warmup], marks[steps]
+    hits, misses = end["program_hits"] - start["program_hits"], end["program_misses"] - start["program_misses"]
+    print(f"fused eager over {steps} tiny Llama training steps (after {warmup} warm-up steps)")
+    print(f"  program cache hit rate {hits / max(hits + misses, 1):.2%} ({hits} hits, {misses} misses)")
+    for name in ("programs", "eager programs", "device MiB", "RSS MiB"):
+        print(f"  {name:15s} at step {warmup}: {start[name]:9.1f}   at step {steps}: {end[name]:9.1f}")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chain", type=int, default=200, help="ops per add chain (default 200)")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs; the best is kept (default 10)")
+    parser.add_argument("--steps", type=int, default=1000, help="training steps for the cache's steady state")
     args = parser.parse_args()
 
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}\n")
@@ -146,6 +185,7 @@ def main() -> None:
                      args.repeats)
     compare_with_cpu("tiny Llama training step (forward, backward, AdamW), ms per step", llama_training_step, 1.5,
                      args.repeats)
+    steady_state(args.steps)
 
 
 if __name__ == "__main__":
