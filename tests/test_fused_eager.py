@@ -312,28 +312,19 @@ def test_the_program_cache_is_bounded(monkeypatch):
     assert fused.stats()["programs"] <= 2
 
 
-def test_the_chain_length_is_bounded(monkeypatch):
-    monkeypatch.setattr(fused, "MAX_OPS", 4)
-    x = torch.zeros(3, device="tpu")
-    torch.tpu.set_eager_mode("fused")
-    fused.reset_stats()
-    for _ in range(10):
-        x = x + 1
-        assert fused.stats()["pending"] <= 4
-    assert x.tolist() == [10.0] * 3
-
-
-def test_the_chain_work_is_bounded(monkeypatch):
-    monkeypatch.setattr(fused, "MAX_WORK", 100)  # elements of the results: four ops of 30 elements, at most
-    x = torch.zeros(30, device="tpu")
+@pytest.mark.parametrize("bound, value, size", [("MAX_OPS", 4, 3), ("MAX_WORK", 100, 30)], ids=["ops", "work"])
+def test_the_chain_is_bounded(monkeypatch, bound, value, size):
+    """At most 4 ops pending: 4 ops, or 4 ops of 30 elements (120 >= 100); then, where the loop body starts
+    again, from half the bound on: chains of 4 + 2 + 2 + 2 ran, 2 ops pending."""
+    monkeypatch.setattr(fused, bound, value)
+    x = torch.zeros(size, device="tpu")
     torch.tpu.set_eager_mode("fused")
     fused.reset_stats()
     for _ in range(12):
         x = x + 1
         assert fused.stats()["pending"] <= 4
-    # cut at 4 ops (120 elements), then at half the work where the loop body starts again: 4 + 2 + 2 + 2 ran
     assert fused.stats()["flushes"] == 4 and fused.stats()["pending"] == 2
-    assert x.tolist() == [12.0] * 30
+    assert x.tolist() == [12.0] * size
 
 
 def test_a_loop_without_sync_points_is_cut_where_its_body_starts_again(monkeypatch):
