@@ -11,10 +11,9 @@
   collectives, compiled graphs), ``torch.tpu.synchronize()``, a change of the current stream and a read of a
   stream's or an event's work (``record``, ``query``, ``synchronize``), a host sync of the deferred checks, an op on
   another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops or :data:`MAX_WORK` result
-  elements. Programs are cached by the
-  chain's structure (the programs, which inputs feed which op, the inputs' shapes and dtypes, which results are
-  still referenced), least recently used evicted past :data:`PROGRAM_CACHE_SIZE`, so a loop body recorded again
-  runs the program built for it the first time;
+  elements. Programs are cached by the chain's structure (the programs, which inputs feed which op, the inputs'
+  shapes and dtypes, which results are still referenced), least recently used evicted past
+  :data:`PROGRAM_CACHE_SIZE`, so a loop body recorded again runs the program built for it the first time;
 - ``debug``: strict, and each op waits for its result and raises its failed checks at once, so an error points
   at the line that issued it.
 
@@ -59,7 +58,7 @@ MAX_WORK = 1 << 20
 """A chain whose results hold this many elements runs before more is recorded (as for :data:`MAX_OPS`, one that
 follows a chain cut so may run from half as many on). A chain's run is dispatched asynchronously, so the chip
 computes it while the host records the next one, as strict mode's per-op dispatch overlaps: a tiny Llama forward
-takes 0.72x the time of one chain ending at the sync point, on a 2-core host (benchmarks/fused_eager.py); chains
+takes 0.7x the time of one chain ending at the sync point, on a 2-core host (benchmarks/fused_eager.py); chains
 of cheap ops run rarely, each run costing some host time."""
 
 PROGRAM_CACHE_SIZE = 256
@@ -298,10 +297,10 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
 def _ends_before(chain: _Chain, trace: _Trace) -> bool:
     """Whether ``chain`` runs at the size bound before an op of ``trace`` is recorded: at :data:`MAX_OPS` ops or
     :data:`MAX_WORK` result elements; or, if the chain before it ran at the bound too, from half as many on at an op
-    like its first one. A loop with no
-    sync point in its body is so cut where its body starts again (where the chain started), into a few programs
-    run again and again, not at a new place in its body each time (``MAX_OPS`` ops apart), each a new program.
-    Chains that start after a sync point end at the next one, if it comes within ``MAX_OPS`` ops."""
+    like its first one. A loop with no sync point in its body is so cut where its body starts again (where the
+    chain started), into a few programs run again and again, not at a new place in its body each time (a bound
+    apart), each a new program. Chains that start after a sync point end at the next one, if it comes within the
+    bound."""
     length, work = len(chain.ops), chain.work
     return length >= MAX_OPS or work >= MAX_WORK or (
         chain.after_bound and (length >= MAX_OPS // 2 or work >= MAX_WORK // 2) and chain.ops[0].trace is trace)
