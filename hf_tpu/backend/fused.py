@@ -253,8 +253,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
     ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
     with _lock:
-        signature = tuple([value.signature if value.__class__ is Lazy and value.array is None else _signature_of(value)
-                           for value in call])
+        signature = tuple([_signature_of(value) for value in call])
         trace = _traced(fn, call, signature, pair, name)
         chain = _chain
         bound = _ends_before(chain, trace)
@@ -265,8 +264,6 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         for value, sig in zip(call, signature):
             if value.__class__ is tuple:
                 refs.append(tuple([chain.ref(item, item_sig, used) for item, item_sig in zip(value, sig)]))
-            elif value.__class__ is Lazy and value.chain is chain:  # the common case, inline
-                refs.append(value.slot)
             else:
                 refs.append(chain.ref(value, sig, used))
         op = _Op()
