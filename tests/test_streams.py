@@ -258,6 +258,32 @@ def test_copies_that_cannot_be_asynchronous_complete_before_returning(side):
     assert storage.buffer_of(on_default).pending is None
 
 
+def test_a_copy_into_pinned_memory_is_queued_on_the_default_stream_too():
+    result = busy_device()
+    host = torch.empty(MATRIX, MATRIX, pin_memory=True)
+    start = time.perf_counter()
+    host.copy_(result, non_blocking=True)  # as CUDA queues it: returns before the device is done
+    assert time.perf_counter() - start < 0.1 and not array_of(result).is_ready()
+    done = torch.tpu.Event()
+    done.record()
+    assert not done.query()
+    done.synchronize()
+    expected = result.cpu()
+    assert torch.equal(host, expected)
+
+    host.copy_(result * 2, non_blocking=True)
+    host.copy_(result)  # a blocking copy on the default stream runs after the queued one
+    assert torch.equal(host, expected)
+    host.copy_(result * 2, non_blocking=True)
+    assert torch.equal(host.to("tpu").cpu(), expected * 2)  # so does a copy out of the host tensor
+    host.copy_(result + 1, non_blocking=True)
+    torch.tpu.synchronize()
+    assert torch.equal(host, expected + 1)
+    unpinned, later = torch.zeros(MATRIX, MATRIX), busy_device(result)
+    unpinned.copy_(later, non_blocking=True)  # pageable memory: synchronous, as on CUDA
+    assert array_of(later).is_ready() and not result.to("cpu", non_blocking=True).is_pinned()
+
+
 def test_a_write_after_a_pending_copy_replaces_it(side):
     with torch.tpu.stream(side):
         tensor = torch.randn(1000).pin_memory().to("tpu", non_blocking=True)

@@ -22,6 +22,7 @@ They follow ``torch.cuda``'s names and semantics, on top of JAX's asynchronous d
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import sys
 import threading
@@ -43,6 +44,7 @@ _local = threading.local()  # .current: device index -> the thread's current str
 _side_streams_current = 0  # (thread, device) pairs whose current stream is not the default one
 _waiting_defaults: set[int] = set()  # devices whose default stream has events to wait for
 _in_flight: dict[int, set[Future]] = collections.defaultdict(set)  # queued copies per device
+_copying_defaults: set[int] = set()  # devices whose default stream has queued copies not complete
 
 
 def _done(marker: Any) -> bool:
@@ -130,15 +132,18 @@ class Stream(torch._C.Stream):
         if self._worker is None:
             from . import storage
 
-            return (*storage.newest(self.device_index), *self._waits)
+            copies = () if self._last_copy is None else (self._last_copy,)
+            return (*storage.newest(self.device_index), *self._waits, *copies)
         return tuple(marker for marker in (self._last_copy, self._computed) if marker is not None)
 
 
 def _create(cls: type, device_index: int, stream_id: int, priority: int) -> Stream:
     stream = torch._C.Stream.__new__(cls, stream_id=stream_id, device_index=device_index, device_type=_PRIVATE_USE1)
     stream.priority = priority
-    # The default stream has no worker: its copies run on the calling thread.
+    # The default stream has no worker: its copies run on the calling thread, except the ones into pinned
+    # host memory, queued on a worker started by the first (``_host_copies``).
     stream._worker = ThreadPoolExecutor(1, f"hf_tpu-stream-{stream_id}") if stream_id else None
+    stream._host_copies = None
     stream._last_copy = None  # the future of the newest task queued on the worker
     stream._computed = None  # the newest array computed while the stream was current
     stream._waits = []  # default stream: markers its next copies wait for
@@ -320,11 +325,13 @@ class _CompletionTime:
         return self._time
 
 
-def copy_stream(device_index: int) -> Stream | None:
+def copy_stream(device_index: int, into_pinned_host: bool = False) -> Stream | None:
     """The stream a copy between the host and ``device_index`` belongs to: the calling thread's
     current stream if it is not the default one. Otherwise None, after waiting for the events the
-    default stream was made to wait for: its copies run on the calling thread."""
-    if not _side_streams_current and not _waiting_defaults:
+    default stream was made to wait for and for its queued copies: its copies run on the calling thread.
+    A non_blocking copy into pinned host memory (``into_pinned_host``) is queued on the default stream
+    too: for it the default stream is returned, after the waits."""
+    if not (into_pinned_host or _side_streams_current or _waiting_defaults or _copying_defaults):
         return None
     stream = current_stream(device_index)
     if stream._worker is not None:
@@ -333,18 +340,39 @@ def copy_stream(device_index: int) -> Stream | None:
         waits, stream._waits = stream._waits, []
         _waiting_defaults.discard(device_index)
         _wait(waits, device_index)
+    if into_pinned_host:
+        return stream
+    if device_index in _copying_defaults and stream._last_copy is not None:
+        _wait((stream._last_copy,), device_index)
     return None
 
 
 def queue_copy(stream: Stream, task: Callable[..., Any], *args: Any) -> Future:
     """Queues ``task(*args)`` on the stream's worker, after the work queued there before it. The task
     must return only once its copy is complete: its future is the copy's completion marker."""
-    future = stream._worker.submit(task, *args)
-    stream._last_copy = future
+    worker = stream._worker
+    if worker is None:
+        with _lock:
+            worker = stream._host_copies = stream._host_copies or ThreadPoolExecutor(
+                1, f"hf_tpu-host-copies-{stream.device_index}")
+    future = worker.submit(task, *args)
+    with _lock:
+        stream._last_copy = future
+        if stream._worker is None:
+            _copying_defaults.add(stream.device_index)
+    if stream._worker is None:
+        future.add_done_callback(functools.partial(_copied, stream))
     in_flight = _in_flight[stream.device_index]
     in_flight.add(future)
     future.add_done_callback(in_flight.discard)
     return future
+
+
+def _copied(stream: Stream, future: Future) -> None:
+    """A default stream's queued copy completed: if it was the newest, the stream's copies are all done."""
+    with _lock:
+        if stream._last_copy is future:
+            _copying_defaults.discard(stream.device_index)
 
 
 def run_copy(stream: Stream, task: Callable[..., Any], *args: Any) -> Any:

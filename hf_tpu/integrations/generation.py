@@ -14,9 +14,14 @@ written into it (usually split by head, as the k/v projections are), made on its
 transformers allocates on the model's ``device`` (one chip): each step then writes and reads the cache where it
 lives, with no copy between one chip and the mesh, and each chip holds its heads only, at every moment.
 
-Patches ``GenerationMixin._prepare_cache_for_generation`` and ``GenerationMixin.generate`` of
-``transformers/generation/utils.py`` and ``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py``
-(transformers 5.x).
+Decoding reads its stopping flag one step late on tpu, as transformers does on mps (``DeferredStopCheck``,
+transformers 5.24+): the flag and the tokens are copied into pinned host memory without waiting, so the host
+queues step n+1 while the device computes step n, instead of waiting for every token. A stop found late costs
+one extra step, which transformers undoes (tokens, scores and the cache's length); results do not change.
+
+Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate`` and
+``DeferredStopCheck`` (``is_supported``, ``__init__``) of ``transformers/generation/utils.py`` and
+``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py`` (transformers 5.x).
 """
 
 from __future__ import annotations
@@ -111,10 +116,39 @@ def _install_sharded_static_cache(cache_utils: Any) -> None:
     layer.lazy_initialization = lazy_initialization
 
 
+def _install_deferred_stop_check(check: type) -> None:
+    """``DeferredStopCheck`` for tpu under upstream's rules for mps (the one device it defers on), with its
+    host slots pinned, which makes the copies into them asynchronous (upstream pins them on cuda only)."""
+    is_supported = check.is_supported
+    initialize = check.__init__
+    if getattr(initialize, "_hf_tpu", False):
+        return
+    from ..backend import pinned
+
+    @functools.wraps(is_supported)
+    def supported(device: torch.device, *args: Any, **kwargs: Any) -> bool:
+        return is_supported(torch.device("mps") if device.type == "tpu" else device, *args, **kwargs)
+
+    @functools.wraps(initialize)
+    def init(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        initialize(self, input_ids, *args, **kwargs)
+        if input_ids.device.type == "tpu":
+            for slot in self.slots:
+                for host in slot:
+                    if isinstance(host, torch.Tensor) and host.device.type == "cpu":
+                        pinned.mark(host)
+
+    init._hf_tpu = True
+    check.is_supported = staticmethod(supported)
+    check.__init__ = init
+
+
 def install(module: Any) -> None:
-    """Wraps ``_prepare_cache_for_generation`` and ``generate`` of ``transformers.generation.utils`` and the
-    static cache's ``lazy_initialization``."""
+    """Wraps ``_prepare_cache_for_generation``, ``generate`` and ``DeferredStopCheck`` of
+    ``transformers.generation.utils`` and the static cache's ``lazy_initialization``."""
     when_imported("transformers.cache_utils", _install_sharded_static_cache)
+    if hasattr(module, "DeferredStopCheck"):
+        _install_deferred_stop_check(module.DeferredStopCheck)
     mixin = module.GenerationMixin
     prepare = mixin._prepare_cache_for_generation
     generate = mixin.generate

@@ -150,10 +150,11 @@ def copy_(self, src, non_blocking=False):
     if self.device.type != "tpu":
         if self.device.type != "cpu":
             raise device_mismatch(src.device, self.device)
-        stream = streams.copy_stream(_device_index_of(src))
+        queued = non_blocking and self.is_pinned()
+        stream = streams.copy_stream(_device_index_of(src), into_pinned_host=queued)
         if stream is None:
             return self.copy_(to_host(src), non_blocking)
-        if non_blocking and self.is_pinned():
+        if queued:
             streams.queue_copy(stream, _fill_host, self, storage.read(src), src.dtype)
             return self
         return self.copy_(streams.run_copy(stream, to_host, src))
