@@ -8,6 +8,7 @@ script); each case compares the collective on tpu tensors (run by JAX) with the 
 from __future__ import annotations
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -212,6 +213,26 @@ def case_zz_a_rank_that_never_joins_times_out():
     if rank == 0:
         work.wait()
     _same(device, torch.full((2,), 2.0))
+
+
+def case_zz_a_calls_own_timeout_bounds_its_wait():
+    """A c10d op's timeout (allreduce_coalesced's options, which tpu_dist runs through the dispatcher op) bounds its
+    wait instead of the group's (30 minutes here); the group still works after."""
+    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        options = dist.AllreduceCoalescedOptions()
+        options.timeout = datetime.timedelta(seconds=1)
+        start = time.monotonic()
+        _raises(RuntimeError, r"all_reduce over ranks \[0, 1\] did not finish within 0:00:01.*Raise the timeout given",
+                lambda: dist.group.WORLD.allreduce_coalesced([torch.ones(2, device="tpu")], options))
+        assert time.monotonic() - start < 30
+        store.set("coalesced_timed_out", "1")
+    else:
+        store.wait(["coalesced_timed_out"])
+        dist.all_reduce(torch.ones(2, device="tpu"))  # joins the collective rank 0 stopped waiting for
+    device = torch.full((2,), float(rank), device="tpu")
+    dist.all_reduce(device)
+    _same(device, torch.full((2,), 1.0))
 
 
 reports = torchrun_cases.report_fixture(__file__, world=WORLD, timeout=LAUNCH_TIMEOUT_S)

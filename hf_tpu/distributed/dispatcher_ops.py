@@ -19,6 +19,7 @@ Registration (:func:`register`) is JAX-free; the kernels import the JAX side whe
 
 from __future__ import annotations
 
+import datetime
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -198,9 +199,14 @@ _FUNCTIONAL_AUTOGRAD = (all_gather_into_tensor, reduce_scatter_tensor, all_to_al
 
 # c10d: complete on return (see the module docstring).
 
-def _done(work: dist.Work, outputs: list[torch.Tensor]) -> Any:
-    """``work`` waited for; a finished Work (boxed, as the op returns it) in its place."""
-    work.wait()
+def _limit(timeout: int) -> datetime.timedelta | None:
+    return None if timeout < 0 else datetime.timedelta(milliseconds=timeout)
+
+
+def _done(work: dist.Work, outputs: list[torch.Tensor], timeout: int = -1) -> Any:
+    """``work`` waited for, for at most ``timeout`` milliseconds (the op's own; the group's when negative, c10d's
+    unset value); a finished Work (boxed, as the op returns it) in its place."""
+    work.wait(_limit(timeout))
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(outputs)
     return torch._C._distributed_c10d._create_work_from_future(future).boxed()
@@ -213,23 +219,23 @@ def _c10d_reduce_op(reduce_op: Any) -> dist.ReduceOp:
 def _c10d_broadcast_(tensors, process_group, root_rank, root_tensor, async_op=True, timeout=-1):
     group = _group(process_group, "broadcast")
     options = _options(dist.BroadcastOptions, rootRank=root_rank, rootTensor=root_tensor)
-    return tensors, _done(group.broadcast(tensors, options), tensors)
+    return tensors, _done(group.broadcast(tensors, options), tensors, timeout)
 
 
 def _c10d_allreduce_(tensors, process_group, reduce_op, sparse_indices=None, async_op=True, timeout=-1):
     group = _group(process_group, "all_reduce")
     options = _options(dist.AllreduceOptions, reduceOp=_c10d_reduce_op(reduce_op))
-    return tensors, _done(group.allreduce(tensors, options), tensors)
+    return tensors, _done(group.allreduce(tensors, options), tensors, timeout)
 
 
 def _c10d_allreduce_coalesced_(tensors, process_group, reduce_op, async_op=True, timeout=-1):
-    return _c10d_allreduce_(tensors, process_group, reduce_op)[1]
+    return _c10d_allreduce_(tensors, process_group, reduce_op, timeout=timeout)[1]
 
 
 def _c10d_allgather_(output_tensors, input_tensors, process_group, async_op=True, timeout=-1):
     group = _group(process_group, "all_gather")
     outputs = [t for chunk in output_tensors for t in chunk]
-    return output_tensors, _done(group.allgather(output_tensors, input_tensors), outputs)
+    return output_tensors, _done(group.allgather(output_tensors, input_tensors), outputs, timeout)
 
 
 def _c10d_allgather_coalesced_(output_lists, input_list, process_group, async_op=True):
@@ -241,7 +247,7 @@ def _c10d_allgather_coalesced_(output_lists, input_list, process_group, async_op
 
 def _c10d_allgather_base_(output_tensor, input_tensor, process_group, async_op=True, timeout=-1):
     group = _group(process_group, "all_gather_into_tensor")
-    return output_tensor, _done(group.all_gather_single(output_tensor, input_tensor), [output_tensor])
+    return output_tensor, _done(group.all_gather_single(output_tensor, input_tensor), [output_tensor], timeout)
 
 
 def _c10d_allgather_into_tensor_coalesced_(outputs, inputs, process_group, async_op=True):
@@ -251,22 +257,24 @@ def _c10d_allgather_into_tensor_coalesced_(outputs, inputs, process_group, async
     return _done_all(works, outputs)
 
 
-def _done_all(works: list[dist.Work], outputs: list[torch.Tensor]) -> Any:
+def _done_all(works: list[dist.Work], outputs: list[torch.Tensor], timeout: int = -1) -> Any:
     for work in works[:-1]:
-        work.wait()
-    return _done(works[-1], outputs)
+        work.wait(_limit(timeout))
+    return _done(works[-1], outputs, timeout)
 
 
 def _c10d_reduce_scatter_(output_tensors, input_tensors, process_group, reduce_op, async_op=True, timeout=-1):
     group = _group(process_group, "reduce_scatter")
     options = _options(dist.ReduceScatterOptions, reduceOp=_c10d_reduce_op(reduce_op))
-    return output_tensors, _done(group.reduce_scatter(output_tensors, input_tensors, options), output_tensors)
+    work = group.reduce_scatter(output_tensors, input_tensors, options)
+    return output_tensors, _done(work, output_tensors, timeout)
 
 
 def _c10d_reduce_scatter_base_(output_tensor, input_tensor, process_group, reduce_op, async_op=True, timeout=-1):
     group = _group(process_group, "reduce_scatter_tensor")
     options = _options(dist.ReduceScatterOptions, reduceOp=_c10d_reduce_op(reduce_op))
-    return output_tensor, _done(group.reduce_scatter_single(output_tensor, input_tensor, options), [output_tensor])
+    work = group.reduce_scatter_single(output_tensor, input_tensor, options)
+    return output_tensor, _done(work, [output_tensor], timeout)
 
 
 def _c10d_reduce_scatter_tensor_coalesced_(outputs, inputs, process_group, reduce_op, async_op=True, timeout=-1):
@@ -274,33 +282,33 @@ def _c10d_reduce_scatter_tensor_coalesced_(outputs, inputs, process_group, reduc
     _same_device_type("reduce_scatter_tensor_coalesced", [*outputs, *inputs])
     options = _options(dist.ReduceScatterOptions, reduceOp=_c10d_reduce_op(reduce_op))
     works = [group.reduce_scatter_single(output, input, options) for output, input in zip(outputs, inputs)]
-    return _done_all(works, outputs)
+    return _done_all(works, outputs, timeout)
 
 
 def _c10d_reduce_(tensors, process_group, reduce_op, root_rank, root_tensor, async_op=True, timeout=-1):
     group = _group(process_group, "reduce")
     options = _options(dist.ReduceOptions, reduceOp=_c10d_reduce_op(reduce_op), rootRank=root_rank,
                        rootTensor=root_tensor)
-    return _done(group.reduce(tensors, options), tensors)
+    return _done(group.reduce(tensors, options), tensors, timeout)
 
 
 def _c10d_gather_(output_tensors, input_tensors, process_group, root_rank, async_op=True, timeout=-1):
     group = _group(process_group, "gather")
     outputs = [t for chunk in output_tensors for t in chunk]
     options = _options(dist.GatherOptions, rootRank=root_rank)
-    return _done(group.gather(output_tensors, input_tensors, options), outputs)
+    return _done(group.gather(output_tensors, input_tensors, options), outputs, timeout)
 
 
 def _c10d_scatter_(output_tensors, input_tensors, process_group, root_rank, async_op=True, timeout=-1):
     group = _group(process_group, "scatter")
     options = _options(dist.ScatterOptions, rootRank=root_rank)
-    return output_tensors, _done(group.scatter(output_tensors, input_tensors, options), output_tensors)
+    return output_tensors, _done(group.scatter(output_tensors, input_tensors, options), output_tensors, timeout)
 
 
 def _c10d_alltoall_base_(output, input, process_group, output_split_sizes, input_split_sizes, async_op=True,
                          timeout=-1):
     group = _group(process_group, "all_to_all_single")
-    return _done(group.all_to_all_single(output, input, output_split_sizes, input_split_sizes), [output])
+    return _done(group.all_to_all_single(output, input, output_split_sizes, input_split_sizes), [output], timeout)
 
 
 def _c10d_alltoall_(output_tensors, input_tensors, process_group, async_op=True, timeout=-1):
@@ -310,18 +318,18 @@ def _c10d_alltoall_(output_tensors, input_tensors, process_group, async_op=True,
     rows = [len(t) for t in output_tensors]
     received = torch.cat([t.detach() for t in output_tensors])  # the outputs' shape, for the values received
     work = group.all_to_all_single(received, torch.cat(list(input_tensors)), rows, [len(t) for t in input_tensors])
-    done = _done(work, output_tensors)
+    done = _done(work, output_tensors, timeout)
     for output, piece in zip(output_tensors, received.split(rows)):
         output.copy_(piece)
     return output_tensors, done
 
 
 def _c10d_barrier(tensor, process_group, device_ids, async_op=True, timeout=-1):
-    return _done(_group(process_group, "barrier").barrier(), [tensor])
+    return _done(_group(process_group, "barrier").barrier(), [tensor], timeout)
 
 
 def _c10d_monitored_barrier_(tensor, process_group, device_ids, timeout, wait_all_ranks):
-    _group(process_group, "monitored_barrier").barrier()
+    _group(process_group, "monitored_barrier").barrier().wait(_limit(timeout))
 
 
 def _c10d_send(tensors, process_group, dst, tag):

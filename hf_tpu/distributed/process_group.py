@@ -64,8 +64,8 @@ def _in_order() -> _InOrder:
 
 
 class TpuWork(dist.Work):
-    """One issued collective: ``wait()`` waits for its results, for at most the group's timeout, and then writes
-    them into the output tensors."""
+    """One issued collective: ``wait()`` waits for its results, for at most its ``timeout`` (the group's by default),
+    and then writes them into the output tensors."""
 
     def __init__(self, future: Future, outputs: Sequence[torch.Tensor], timeout: datetime.timedelta, what: str,
                  ranks: Sequence[int]) -> None:
@@ -83,7 +83,8 @@ class TpuWork(dist.Work):
             raise RuntimeError(
                 f"tpu_dist: {self._what} over ranks {list(self._ranks)} did not finish within {limit}: a rank of "
                 "the group has not joined it (every rank must call the same collectives in the same order). "
-                "Raise init_process_group(timeout=...) if a rank is just slow.") from None
+                f"Raise {'the timeout given to this wait' if timeout else 'init_process_group(timeout=...)'} if a "
+                "rank is just slow.") from None
         for result, output in zip(results, self._outputs):
             output.detach().copy_(storage.wrap(result, output.dtype, output.device.index).reshape(output.shape))
         self._completed = True
