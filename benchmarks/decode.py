@@ -15,6 +15,10 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
 - ``tpu``: the model on the tpu device, ``cache_implementation="static"`` (decode steps compiled
   by generate through the ``"tpu"`` backend).
 
+After the table, the main thread's CPU time per new token of the pure-JAX and tpu runs: the host's own work
+per token, which the device hides here (XLA's CPU code takes longer per step) but which bounds tokens/s on
+a chip whose step is shorter than it.
+
 ``--profile`` adds a per-token breakdown of the tpu run from cProfile, in the main thread's CPU time (less
 noisy than wall time on a loaded machine): the XLA program's launch, graph mode's Python around it, Dynamo
 and AOTAutograd around that, the eager tpu ops (the prefill's and generate's bookkeeping), host reads, and
@@ -64,6 +68,13 @@ def timed(run, repeats: int) -> tuple[float, list[int]]:
         tokens = run()
         best = min(best, time.perf_counter() - start)
     return best, tokens
+
+
+def host_milliseconds_per_token(run) -> float:
+    """The calling thread's CPU milliseconds per new token of one ``run()`` (waits for the device excluded)."""
+    start = time.thread_time()
+    run()
+    return (time.thread_time() - start) * 1e3 / NEW_TOKENS
 
 
 def timed_together(first, second, repeats: int) -> tuple[tuple[float, list[int]], tuple[float, list[int]]]:
@@ -234,9 +245,10 @@ def main() -> None:
     tpu_model = copy.deepcopy(model).to("tpu")
     tpu_prompt = prompt.to("tpu")
     # alternated, so that both see the same load on a shared machine: their ratio is the figure that matters
-    results["pure jax"], results["tpu"] = timed_together(
-        lambda: jax_generate(model, weights, prompt.numpy()),
-        lambda: hf_generate(tpu_model, tpu_prompt, cache_implementation="static"), args.repeats)
+    run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
+    run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
+    results["pure jax"], results["tpu"] = timed_together(run_jax, run_tpu, args.repeats)
+    host = {"pure jax": host_milliseconds_per_token(run_jax), "tpu": host_milliseconds_per_token(run_tpu)}
 
     reference_tokens = results["torch cpu eager"][1]
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
@@ -250,11 +262,11 @@ def main() -> None:
     tpu_rate = NEW_TOKENS / results["tpu"][0]
     print(f"\ntpu / best torch cpu path: {tpu_rate / best_cpu:.2f}x; "
           f"tpu / pure jax: {tpu_rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
+    print(f"host CPU per new token (main thread): tpu {host['tpu']:.2f} ms, pure jax {host['pure jax']:.2f} ms")
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:
         print("\ncProfile of one tpu generate, CPU ms of the main thread per new token (profiling inflates Python):")
-        for name, milliseconds in profile_breakdown(
-                lambda: hf_generate(tpu_model, tpu_prompt, cache_implementation="static")).items():
+        for name, milliseconds in profile_breakdown(run_tpu).items():
             print(f"  {name:<28} {milliseconds:7.2f}")
 
 
