@@ -236,7 +236,10 @@ _internal_code: dict[int, tuple[Any, bool]] = {}  # id(code) -> (code, in torch 
 
 def _user_line() -> tuple[str, int] | None:
     """The innermost caller outside torch and hf_tpu: the line that issued the op being recorded."""
-    frame = sys._getframe(2)
+    try:  # past this function, record and record's caller in hf_tpu (not made into frame objects: faster)
+        frame = sys._getframe(3)
+    except ValueError:  # nothing above that caller: an op of the backward pass, run by autograd's thread
+        return None
     while frame is not None:
         code = frame.f_code
         known = _internal_code.get(id(code))
