@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 
+import transformers
+import transformers.generation.utils as generation_utils
 from conftest import tiny_llama, to_tpu
 from hf_tpu.backend import checks
 
-transformers = pytest.importorskip("transformers")
-generation_utils = pytest.importorskip("transformers.generation.utils")
 if not hasattr(generation_utils, "DeferredStopCheck"):
     pytest.skip("transformers before 5.24 has no DeferredStopCheck: it waits for the flag", allow_module_level=True)
 

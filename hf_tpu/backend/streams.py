@@ -22,7 +22,6 @@ They follow ``torch.cuda``'s names and semantics, on top of JAX's asynchronous d
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import sys
 import threading
@@ -44,7 +43,6 @@ _local = threading.local()  # .current: device index -> the thread's current str
 _side_streams_current = 0  # (thread, device) pairs whose current stream is not the default one
 _waiting_defaults: set[int] = set()  # devices whose default stream has events to wait for
 _in_flight: dict[int, set[Future]] = collections.defaultdict(set)  # queued copies per device
-_copying_defaults: set[int] = set()  # devices whose default stream has queued copies not complete
 
 
 def _done(marker: Any) -> bool:
@@ -331,7 +329,7 @@ def copy_stream(device_index: int, into_pinned_host: bool = False) -> Stream | N
     default stream was made to wait for and for its queued copies: its copies run on the calling thread.
     A non_blocking copy into pinned host memory (``into_pinned_host``) is queued on the default stream
     too: for it the default stream is returned, after the waits."""
-    if not (into_pinned_host or _side_streams_current or _waiting_defaults or _copying_defaults):
+    if not (into_pinned_host or _side_streams_current or _waiting_defaults or _in_flight.get(device_index)):
         return None
     stream = current_stream(device_index)
     if stream._worker is not None:
@@ -342,7 +340,7 @@ def copy_stream(device_index: int, into_pinned_host: bool = False) -> Stream | N
         _wait(waits, device_index)
     if into_pinned_host:
         return stream
-    if device_index in _copying_defaults and stream._last_copy is not None:
+    if stream._last_copy is not None and not stream._last_copy.done():
         _wait((stream._last_copy,), device_index)
     return None
 
@@ -351,28 +349,16 @@ def queue_copy(stream: Stream, task: Callable[..., Any], *args: Any) -> Future:
     """Queues ``task(*args)`` on the stream's worker, after the work queued there before it. The task
     must return only once its copy is complete: its future is the copy's completion marker."""
     worker = stream._worker
-    if worker is None:
+    if worker is None:  # the default stream: its copies into pinned host memory
         with _lock:
             worker = stream._host_copies = stream._host_copies or ThreadPoolExecutor(
                 1, f"hf_tpu-host-copies-{stream.device_index}")
     future = worker.submit(task, *args)
-    with _lock:
-        stream._last_copy = future
-        if stream._worker is None:
-            _copying_defaults.add(stream.device_index)
-    if stream._worker is None:
-        future.add_done_callback(functools.partial(_copied, stream))
+    stream._last_copy = future
     in_flight = _in_flight[stream.device_index]
     in_flight.add(future)
     future.add_done_callback(in_flight.discard)
     return future
-
-
-def _copied(stream: Stream, future: Future) -> None:
-    """A default stream's queued copy completed: if it was the newest, the stream's copies are all done."""
-    with _lock:
-        if stream._last_copy is future:
-            _copying_defaults.discard(stream.device_index)
 
 
 def run_copy(stream: Stream, task: Callable[..., Any], *args: Any) -> Any:
