@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import gc
+import time
 
 import psutil
 import pytest
@@ -18,11 +19,23 @@ from hf_tpu.compile import graph_lowering
 MiB = 1 << 20
 
 
+def _settled_device_bytes() -> int:
+    """``torch.tpu.memory_allocated()`` once it stops changing: autograd's device thread frees the last
+    backward's buffers on its own time, after ``backward()`` has returned."""
+    allocated = torch.tpu.memory_allocated()
+    for _ in range(100):
+        time.sleep(0.005)
+        allocated, before = torch.tpu.memory_allocated(), allocated
+        if allocated == before:
+            break
+    return allocated
+
+
 def _footprint() -> dict[str, int]:
     gc.collect()
     torch.tpu.synchronize()
     return {
-        "device_bytes": torch.tpu.memory_allocated(),
+        "device_bytes": _settled_device_bytes(),
         "host_rss": psutil.Process().memory_info().rss,
         "eager_programs": dispatch.eager_program_count(),
         "graph_executables": len(graph_lowering._EXECUTABLES),
@@ -30,7 +43,9 @@ def _footprint() -> dict[str, int]:
 
 
 def _assert_bounded(early: dict[str, int], late: dict[str, int], rss_slack: int) -> None:
-    assert late["device_bytes"] == early["device_bytes"]
+    # No growth. Fewer bytes late is no leak: memory_allocated counts the whole process, and an object of an
+    # earlier test may die meanwhile (CI saw 16 bytes go, in no size this loop allocates).
+    assert late["device_bytes"] <= early["device_bytes"], (early, late)
     assert late["eager_programs"] == early["eager_programs"]  # the same shapes need no new programs
     assert late["graph_executables"] == early["graph_executables"]
     assert late["host_rss"] - early["host_rss"] < rss_slack, (early, late)
