@@ -290,6 +290,30 @@ def test_a_thousand_training_steps_run_cached_programs_without_growth():
     assert_steady_after(counters, warmup=5)
 
 
+def test_a_loop_whose_numbers_come_to_be_equal_keeps_its_programs(monkeypatch):
+    """A loop with no sync point (cut at the size bound) whose Python numbers come to be equal, as AdamW's bias
+    corrections do once ``beta ** step`` vanishes: equal numbers are one cached scalar array, but each use of one
+    is a slot of its own, so the chains keep their structure and their programs."""
+    monkeypatch.setattr(fused, "MAX_OPS", 16)
+
+    def run(mode: str) -> tuple[torch.Tensor, list[int]]:
+        torch.tpu.set_eager_mode(mode)
+        fused.reset_stats()
+        x, programs = torch.zeros(4, device="tpu"), []
+        try:
+            for step in range(100):
+                x.mul_(1 + 0.5**step).add_(1.0)  # from step 53 on, both numbers are 1.0
+                programs.append(fused.stats()["programs"])
+            return x.cpu(), programs
+        finally:
+            torch.tpu.set_eager_mode("strict")
+
+    strict, _ = run("strict")
+    result, programs = run("fused")
+    assert torch.equal(bits(result), bits(strict))
+    assert programs[30] == programs[-1] > 0, programs
+
+
 def test_tiny_llama_training_steps_reach_a_steady_program_cache():
     ids = (torch.arange(16).reshape(2, 8) % 128).to("tpu")
 

@@ -112,7 +112,9 @@ class _Chain:
         self.inputs: list[Any] = []
         self.input_slots: list[int] = []
         self.input_signatures: list[tuple] = []
-        self.slot_of: dict[int, int] = {}  # id(input) -> its first slot; inputs are kept alive
+        # id(input) -> its first slot; inputs are kept alive. Not for numbers: which ones are equal (and so one
+        # cached array, or one small int) changes from step to step, the structure of the chain must not.
+        self.slot_of: dict[int, int] = {}
         self.slots = 0
         self.checks = 0  # ops with a check output
         self.work = 0  # elements of the ops' results
@@ -129,10 +131,13 @@ class _Chain:
                     raise _failed(value)
                 return value.slot
             value = value.array
-        slot = self.slot_of.get(id(value))
+        # not a number, nor a number's cached array (a weakly-typed scalar: equal numbers share one), see slot_of
+        shared = len(signature) == 3 and (signature[0] or not signature[2])
+        slot = self.slot_of.get(id(value)) if shared else None
         if slot is None or slot in used:
             slot = self.slots
-            self.slot_of.setdefault(id(value), slot)
+            if shared:
+                self.slot_of.setdefault(id(value), slot)
             self.slots += 1
             self.inputs.append(value)
             self.input_slots.append(slot)
