@@ -1,8 +1,9 @@
 """DeviceMesh("tpu"), DTensor and tensor-parallel modules over the ``tpu_dist`` backend, across real processes.
 
 Two torchrun launches (tests/torchrun_cases.py) run this file's cases: 2 processes for the 1-D mesh (``case_*``)
-and 4 processes for the 2-D one (``case_2d_*``). Every result is compared with the same computation on CPU, on the
-whole tensors, in the same process: what one process without any sharding gets.
+and 4 processes for the 2-D one (``case_2d_*``, compiled graphs with collectives over both sub-meshes among them).
+Every result is compared with the same computation on CPU, on the whole tensors, in the same process: what one
+process without any sharding gets.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
 import torchrun_cases
+from hf_tpu.compile.stats import compile_stats, reset_compile_stats
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -209,6 +212,63 @@ def case_2d_tensor_parallel_mlp_per_data_parallel_rank():
         local = param.grad.to_local()
         dist.all_reduce(local, group=mesh["dp"].get_group())  # summed over dp: the gradient of the whole batch
         _close(param.grad, expected.grad)
+
+
+def _compiled_once(fn):
+    """``fn`` compiled by graph mode as one graph (``fullgraph``), with no eager fallback allowed."""
+    torch._dynamo.reset()
+    reset_compile_stats()
+    os.environ["HF_TPU_STRICT_COMPILE"] = "1"  # a graph that cannot be lowered is an error, not eager code
+    return torch.compile(fn, backend="tpu", fullgraph=True)
+
+
+def _ran_as_one_program(graphs: int = 1) -> None:
+    """Graph mode lowered ``graphs`` graphs (forward, and backward), one XLA program each, and ran none eagerly."""
+    stats = compile_stats()
+    assert (stats["graphs"], stats["compilations"], stats["fallbacks"]) == (graphs, graphs, 0), stats
+
+
+def case_2d_one_compiled_graph_communicates_over_both_sub_meshes_and_the_world():
+    """Collectives over "tp", "dp" and the world in one graph: one XLA program per rank over the (2, 2) grid."""
+    mesh, rank = _mesh_2d(), dist.get_rank()
+    tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
+
+    def step(x):
+        row = funcol.all_gather_tensor(x, 0, tp)
+        summed = funcol.all_reduce(row, "sum", dp)
+        return (summed, funcol.all_reduce(x, "max", dist.group.WORLD),
+                funcol.reduce_scatter_tensor(summed, "sum", 0, tp), funcol.broadcast(x * 2, 1, dp))
+
+    xs = [_full(2, 3, seed=r) for r in range(4)]
+    try:
+        summed, highest, scattered, broadcast = _compiled_once(step)(xs[rank].to("tpu"))
+    finally:
+        os.environ.pop("HF_TPU_STRICT_COMPILE")
+    rows = [torch.cat(xs[r // 2 * 2:r // 2 * 2 + 2]) for r in range(4)]  # what each rank's tp row gathers
+    _close(summed, rows[0] + rows[2])  # the same on every rank: column sums of rows
+    _close(highest, torch.stack(xs).amax(0))
+    _close(scattered, 2 * (rows[0] + rows[2]).chunk(2)[rank % 2])
+    _close(broadcast, xs[rank % 2 + 2] * 2)  # dp rank 1 of column rank % 2
+    _ran_as_one_program()
+
+
+def case_2d_compiled_tensor_parallel_mlp_summed_over_data_parallel_rows_forward_and_backward():
+    """A DTensor MLP over "tp" and a sum over "dp" in one compiled graph, and its backward (torch's formulas: the
+    sum's backward sums the rows' gradients, so each row gets the gradient of its own outputs' sum), as on CPU."""
+    torch.manual_seed(0)
+    mesh, rank = _mesh_2d(), dist.get_rank()
+    mlp, reference = _parallelized(_Mlp(), mesh["tp"], _mlp_plan())
+    dp = mesh["dp"].get_group()
+    inputs = [_full(3, 8, seed=20 + row) for row in range(2)]
+    try:
+        loss = _compiled_once(lambda x: funcol.all_reduce(mlp(x), "sum", dp).sum() / 2)(inputs[rank // 2].to("tpu"))
+        loss.backward()
+    finally:
+        os.environ.pop("HF_TPU_STRICT_COMPILE")
+    _close(loss, (reference(inputs[0]) + reference(inputs[1])).sum().detach() / 2)
+    reference(inputs[rank // 2]).sum().backward()
+    _compare_grads(mlp, reference)
+    _ran_as_one_program(graphs=2)
 
 
 def _cases(world: int) -> list[str]:

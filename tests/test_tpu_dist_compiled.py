@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
 import torchrun_cases
+from hf_tpu.compile.graph_collectives import grid
 from hf_tpu.compile.stats import compile_stats, reset_compile_stats
 
 WORLD = 2
@@ -178,6 +179,24 @@ def case_a_subgroup_runs_over_its_own_mesh():
         _one_program()
 
 
+def case_the_world_and_each_ranks_own_group_in_one_graph():
+    """Collectives over two groups of different ranks in one program, on a (2, 1) grid of the ranks (four
+    processes run a 2-D DeviceMesh's, tests/test_dtensor.py)."""
+    own = [dist.new_group([r]) for r in range(WORLD)][dist.get_rank()]  # every rank creates every group
+
+    def step(x):
+        total = funcol.all_reduce(x, "sum", dist.group.WORLD)
+        mine = funcol.all_reduce(total * x, "sum", own)
+        return funcol.all_gather_tensor(mine, 0, dist.group.WORLD), funcol.broadcast(x + 1, 0, own)
+
+    rank, xs = dist.get_rank(), _every(2, 3)
+    with _strict():
+        gathered, broadcast = _compiled(step)(xs[rank].to("tpu"))
+    _same(gathered, torch.cat([sum(xs) * x for x in xs]))
+    _same(broadcast, xs[rank] + 1)
+    _one_program()
+
+
 class _TensorParallelMlp(torch.nn.Module):
     """Two linear layers split over the ranks: the first by output features, its outputs all-gathered; the second
     by input features, its partial products all-reduced."""
@@ -257,10 +276,6 @@ def case_what_cannot_be_compiled_says_so():
              r"split sizes \[1, 3\] \(output\) and \[3, 1\] \(input\).*only even splits", x)
     gloo = dist.new_group([0, 1], backend="gloo")
     _refused(lambda t: funcol.all_reduce(t, "sum", gloo), "got tpu tensors and a gloo process group", x)
-    alone = dist.new_group([0])
-    if dist.get_rank() == 0:  # lowering refuses before anything runs, so rank 0 may try it alone
-        _refused(lambda t: funcol.all_reduce(funcol.all_reduce(t, "sum", group), "sum", alone),
-                 r"several process groups \(ranks \[0, 1\] and \[0\]\); only one group per graph", x)
 
 
 def case_zz_a_rank_that_never_runs_the_graph_times_out():
@@ -278,6 +293,36 @@ def case_zz_a_rank_that_never_runs_the_graph_times_out():
         store.wait(["compiled_timed_out"])
         _same(compiled(torch.ones(2, device="tpu")), torch.full((2,), 2.0))
     dist.barrier()
+
+
+def test_the_groups_of_a_2d_device_mesh_are_the_axes_of_one_grid():
+    """(dp, tp) = (2, 2) over 4 ranks: rank 3's "tp" row [2, 3], "dp" column [1, 3] and the world."""
+    found = grid([(2, 3), (1, 3), (0, 1, 2, 3)], rank=3, world=4)
+    assert (found.ranks, found.shape) == ((0, 1, 2, 3), (2, 2))
+    slow, fast = found.names
+    assert found.axes == {(2, 3): (fast,), (1, 3): (slow,), (0, 1, 2, 3): (slow, fast)}
+
+
+def test_a_grid_spans_only_the_axes_its_groups_run_over():
+    alone = grid([(1, 3)], rank=3, world=4)  # one group is one axis, of its own ranks
+    assert (alone.ranks, alone.shape, alone.axes) == ((1, 3), (2,), {(1, 3): alone.names})
+    skipping = grid([(4, 5), (1, 5)], rank=5, world=8)  # strides 1 and 4: the axis of stride 2 is fixed
+    assert (skipping.ranks, skipping.shape) == ((0, 1, 4, 5), (2, 2))
+    single = grid([(0, 1), (1,)], rank=1, world=2)  # a rank's own group: an axis of size 1
+    assert (single.ranks, single.shape) == ((0, 1), (2, 1))
+    assert single.axes == {(0, 1): single.names[:1], (1,): single.names[1:]}
+
+
+@pytest.mark.parametrize("groups, rank, world, why", [
+    ([(0, 1, 2), (0, 1, 2, 3)], 0, 4, "their sizes do not nest"),
+    ([(1, 2), (0, 1, 2, 3)], 1, 4, r"ranks \[1, 2\] are not one axis of a grid"),
+    ([(0, 2, 3), (0, 1, 2, 3)], 0, 4, r"ranks \[0, 2, 3\] are not one axis of a grid"),
+    ([(0, 1), (0, 2)], 0, 3, "their grid needs rank 3, of a world of 3"),
+])
+def test_groups_that_are_not_the_axes_of_a_grid_are_refused(groups, rank, world, why):
+    with pytest.raises(NotImplementedError, match=rf"process groups of ranks .*not the axes of one grid of the ranks "
+                                                  rf"\({why}.*graph_break\(\)"):
+        grid(groups, rank, world)
 
 
 # Every program of the launch, the collective graphs' included, is also lowered for TPU chips (an error if it

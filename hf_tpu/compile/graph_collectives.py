@@ -2,32 +2,40 @@
 
 Under ``tpu_dist`` (one process per chip, :mod:`hf_tpu.distributed`) Dynamo turns ``dist.all_reduce`` and the
 functional collectives (``torch.distributed._functional_collectives``) into ``_c10d_functional.*`` nodes, each
-followed by ``wait_tensor``. Such a graph is lowered whole as the body of a ``jax.shard_map`` over its group's mesh
-(the mesh :class:`~hf_tpu.distributed.process_group.TpuProcessGroup` runs its collectives on, axis ``ranks``):
+followed by ``wait_tensor``. Such a graph is lowered whole as the body of a ``jax.shard_map`` over the mesh of
+the processes its collectives span (:class:`Grid`: one axis for one group, as the group's eager collectives run; for
+several groups, as the sub-meshes of a 2-D DeviceMesh make, a grid of the ranks in which each group is some of its
+axes):
 
 - each local input becomes this rank's block of a global array, blocked along dim 0 (no copy; a 0-d value is
   lifted to one element), and the body sees exactly the local values;
-- each collective node is the lax collective of :mod:`hf_tpu.distributed.collectives` (the eager programs' math),
-  and ``wait_tensor`` is the identity: the program orders its own communication;
+- each collective node is the lax collective of :mod:`hf_tpu.distributed.collectives` (the eager programs' math)
+  over its group's axes, and ``wait_tensor`` is the identity: the program orders its own communication;
 - results come back as this rank's blocks, so the caller gets local tensors as in eager mode.
 
 Every rank must run the graph with the same shapes (one SPMD program). The program runs on the collectives'
-thread, in program order with eager collectives, and waiting for it is bounded by the group's timeout. One group
-per graph (several groups over the same ranks count as one); anything else raises ``NotImplementedError``, which
+thread, in program order with eager collectives, and waiting for it is bounded by the groups' timeout. Groups
+that are not the axes of one grid, and collectives the program cannot express, raise ``NotImplementedError``, which
 makes the graph run eagerly after the usual warning.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+import itertools
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import torch
+import torch.distributed as dist
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import fx
 
 from ..backend import storage
-from ..distributed import collectives, dispatcher_ops, process_group
+from ..distributed import collectives, dispatcher_ops, process_group, runtime
 from .graph_lowering import CompiledGraph
 from .graph_ops import graph_lowering
 
@@ -47,7 +55,14 @@ def has_collectives(graph_module: fx.GraphModule) -> bool:
     return any(_is_collective(node) for node in graph_module.graph.nodes)
 
 
-# --- lowerings: the schema's parameters, every non-tensor one a constant; the group is the shard_map's axis ---
+# --- lowerings: the schema's parameters, every non-tensor one a constant; a group is some of the mesh's axes ---
+
+_GROUP_AXES: contextvars.ContextVar[dict[str, collectives.Axis]] = contextvars.ContextVar("group_axes")
+
+
+def _axes(group_name: str) -> collectives.Axis:
+    """The mesh axes of the group named ``group_name`` in the graph being traced (see :class:`Grid`)."""
+    return _GROUP_AXES.get()[group_name]
 
 
 @graph_lowering("_c10d_functional::wait_tensor")
@@ -57,17 +72,17 @@ def wait_tensor(tensor):
 
 @graph_lowering("_c10d_functional::all_reduce")
 def all_reduce(input, reduce_op, group_name):
-    return collectives.all_reduce(input, reduce_op)
+    return collectives.all_reduce(input, reduce_op, _axes(group_name))
 
 
 @graph_lowering("_c10d_functional::all_reduce_coalesced")
 def all_reduce_coalesced(inputs, reduce_op, group_name):
-    return [collectives.all_reduce(x, reduce_op) for x in inputs]
+    return [collectives.all_reduce(x, reduce_op, _axes(group_name)) for x in inputs]
 
 
 @graph_lowering("_c10d_functional::all_gather_into_tensor", "_c10d_functional_autograd::all_gather_into_tensor")
 def all_gather_into_tensor(input, group_size, group_name):
-    return collectives.all_gather(input).reshape((-1, *input.shape[1:]))
+    return collectives.all_gather(input, _axes(group_name)).reshape((-1, *input.shape[1:]))
 
 
 @graph_lowering("_c10d_functional::all_gather_into_tensor_coalesced")
@@ -77,22 +92,22 @@ def all_gather_into_tensor_coalesced(inputs, group_size, group_name):
 
 @graph_lowering("_c10d_functional::reduce_scatter_tensor", "_c10d_functional_autograd::reduce_scatter_tensor")
 def reduce_scatter_tensor(input, reduce_op, group_size, group_name):
-    return collectives.reduce_scatter(input, reduce_op)
+    return collectives.reduce_scatter(input, reduce_op, _axes(group_name))
 
 
 @graph_lowering("_c10d_functional::reduce_scatter_tensor_coalesced")
 def reduce_scatter_tensor_coalesced(inputs, reduce_op, group_size, group_name):
-    return [collectives.reduce_scatter(x, reduce_op) for x in inputs]
+    return [collectives.reduce_scatter(x, reduce_op, _axes(group_name)) for x in inputs]
 
 
 @graph_lowering("_c10d_functional::all_to_all_single", "_c10d_functional_autograd::all_to_all_single")
 def all_to_all_single(input, output_split_sizes, input_split_sizes, group_name):
-    return collectives.all_to_all(input)  # even splits only (checked when the graph is lowered)
+    return collectives.all_to_all(input, _axes(group_name))  # even splits only (checked when the graph is lowered)
 
 
 @graph_lowering("_c10d_functional::broadcast")
 def broadcast(input, src, group_name):
-    return collectives.broadcast(input, src)  # src: the root's rank in the group, as c10d's rootRank
+    return collectives.broadcast(input, src, _axes(group_name))  # src: the root's rank in the group (c10d's rootRank)
 
 
 # --- checks when the graph is lowered (a NotImplementedError there makes the graph run eagerly) -------------
@@ -141,21 +156,76 @@ def _group(node: fx.Node) -> process_group.TpuProcessGroup:
         raise NotImplementedError(f"tpu graph mode: {error}") from error
 
 
-def graph_group(graph_module: fx.GraphModule) -> process_group.TpuProcessGroup:
-    """The one ``tpu_dist`` group the graph's collectives run over, each collective checked; raises
-    ``NotImplementedError`` for several groups (of different ranks) or a collective the program cannot express."""
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The processes a graph's collectives span, as one mesh: their global ``ranks`` in mesh order, the mesh's
+    ``shape`` and axis ``names`` (slowest first), and per group (its global ranks) the axes it runs over, whose
+    row-major order is the group's rank order."""
+
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    axes: dict[tuple[int, ...], tuple[str, ...]]
+
+
+def grid(groups: Iterable[tuple[int, ...]], rank: int, world: int) -> Grid:
+    """The grid of the processes that collectives over ``groups`` span, seen from global rank ``rank`` (in every
+    group) of a world of ``world`` processes.
+
+    A group of several ranks must be an arithmetic progression, ``stride`` apart: the ranks varying along the axes
+    between ``stride`` and ``stride * len(group)`` of a mixed-radix numbering of the ranks (the row and column groups
+    of a 2-D DeviceMesh are, as is the world). The axes are cut where any group starts or ends, each must divide the
+    next, and those no group runs over are this rank's fixed coordinates. Groups of one rank share an axis of size 1.
+    Raises ``NotImplementedError`` for groups that are not so. One group (any ranks) is one axis of its own."""
+    groups = sorted(set(groups))
+    if len(groups) == 1:
+        return Grid(groups[0], (len(groups[0]),), (collectives.AXIS,), {groups[0]: (collectives.AXIS,)})
+    spans = {}
+    for ranks in groups:
+        if len(ranks) == 1:
+            continue
+        stride = ranks[1] - ranks[0]
+        end = stride * len(ranks)
+        if stride <= 0 or ranks != tuple(range(ranks[0], ranks[0] + end, stride)) or ranks[0] % end >= stride:
+            raise _not_a_grid(groups, f"ranks {list(ranks)} are not one axis of a grid of the ranks")
+        spans[ranks] = (stride, end)
+    bounds = sorted({bound for span in spans.values() for bound in span})
+    if any(high % low for low, high in zip(bounds, bounds[1:])):
+        raise _not_a_grid(groups, "their sizes do not nest")
+    steps = [(low, high) for low, high in zip(bounds, bounds[1:])
+             if any(start <= low < end for start, end in spans.values())][::-1]  # slowest axis first
+    names = [f"ranks{i}" for i in range(len(steps))]
+    axes = {ranks: tuple(name for name, (low, high) in zip(names, steps) if start <= low < end)
+            for ranks, (start, end) in spans.items()}
+    shape = [high // low for low, high in steps]
+    if len(spans) < len(groups):
+        names, shape = [*names, "alone"], [*shape, 1]
+        axes.update({ranks: ("alone",) for ranks in groups if len(ranks) == 1})
+    base = rank - sum((rank // low) % (high // low) * low for low, high in steps)
+    ranks = tuple(base + sum(digit * low for digit, (low, _) in zip(digits, steps))
+                  for digits in itertools.product(*(range(high // low) for low, high in steps)))
+    if ranks[-1] >= world:
+        raise _not_a_grid(groups, f"their grid needs rank {ranks[-1]}, of a world of {world}")
+    return Grid(ranks, tuple(shape), tuple(names), axes)
+
+
+def _not_a_grid(groups: list[tuple[int, ...]], why: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"tpu graph mode: a graph with collectives over process groups of ranks "
+        f"{' and '.join(str(list(ranks)) for ranks in groups)}, which are not the axes of one grid of the ranks "
+        f"({why}); groups made by a DeviceMesh are, or put torch._dynamo.graph_break() between the collectives of "
+        "different groups")
+
+
+def graph_groups(graph_module: fx.GraphModule) -> dict[str, process_group.TpuProcessGroup]:
+    """The ``tpu_dist`` groups the graph's collectives run over, by name, each collective checked; raises
+    ``NotImplementedError`` for a collective the program cannot express."""
     groups = {}
     for node in graph_module.graph.nodes:
         if _is_collective(node):
-            group = _group(node)
-            groups.setdefault(group._ranks, group)
+            group = groups[_argument(node, "group_name")] = _group(node)
             _check_node(node, group.size())
-    if len(groups) != 1:
-        raise NotImplementedError(
-            "tpu graph mode: a graph with collectives over several process groups (ranks "
-            f"{' and '.join(str(list(ranks)) for ranks in groups)}); only one group per graph is compiled: put "
-            "torch._dynamo.graph_break() between the collectives of different groups")
-    return next(iter(groups.values()))
+    return groups
 
 
 # --- the program -----------------------------------------------------------------------------------------
@@ -170,8 +240,12 @@ def _block(mesh: Mesh, local: Any) -> Any:
     """This rank's ``local`` array (on its chip) as its block, along dim 0, of a global array over ``mesh``."""
     local = _lift(local)
     shape = (mesh.devices.size * local.shape[0], *local.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, PartitionSpec(collectives.AXIS)),
-                                                    [local])
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, _blocked(mesh)), [local])
+
+
+def _blocked(mesh: Mesh) -> PartitionSpec:
+    """Dim 0 split over all of ``mesh``'s axes: block i is the i-th rank of the grid's."""
+    return PartitionSpec(mesh.axis_names)
 
 
 def _local(value: Any, scalar: bool) -> Any:
@@ -185,11 +259,16 @@ def _is_scalar(node: fx.Node) -> bool:
 
 
 class CollectiveGraph(CompiledGraph):
-    """A :class:`CompiledGraph` with collectives: the graph is the body of one ``shard_map`` over its group's
-    mesh (see the module docstring); it is called, and returns, like any compiled graph."""
+    """A :class:`CompiledGraph` with collectives: the graph is the body of one ``shard_map`` over the mesh of the
+    processes its collectives span (see the module docstring); it is called, and returns, like any compiled
+    graph."""
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
-        self._group = graph_group(graph_module)  # before the base class counts the graph
+        groups = graph_groups(graph_module)  # before the base class counts the graph
+        self._grid = grid((group._ranks for group in groups.values()), dist.get_rank(), dist.get_world_size())
+        self._axes = {name: self._grid.axes[group._ranks] for name, group in groups.items()}
+        self._timeout = max(group._timeout for group in groups.values())
+        self._meshes: dict[int, Mesh] = {}
         super().__init__(graph_module)
         self._scalar_outputs = [_is_scalar(node) for node in self._tensor_outputs]
         self._scalar_written = [_is_scalar(node) for node in self._mutation_nodes]
@@ -205,7 +284,7 @@ class CollectiveGraph(CompiledGraph):
             raise ValueError("tpu_dist: a compiled graph with collectives takes tensors on one chip per process; "
                              "gather a tensor sharded over this process's chips onto one first.")
         chip = storage.chip_index(next(iter(arrays[0].devices()))) if arrays else 0
-        mesh = self._group._mesh(chip)
+        mesh = self._mesh(chip)
         shapes = tuple(a.shape for a in arrays)
         blocks = [_block(mesh, a) for a in arrays]
         executable, sizes = super()._executable(donated, (static_values, shapes, chip), _block_or_none(mesh, rng),
@@ -215,13 +294,12 @@ class CollectiveGraph(CompiledGraph):
     def _run_in_order(self, executable: Callable, mesh: Mesh) -> Callable:
         """``executable`` as a function of local arrays, run after the collectives issued before it (on the
         collectives' thread, see :class:`~hf_tpu.distributed.process_group.TpuProcessGroup`)."""
-        group = self._group
 
         def run(rng: Any, *arrays: Any) -> tuple:
             blocks = [_block(mesh, a) for a in arrays]
             rng = _block_or_none(mesh, rng)
             future = process_group._in_order().submit(lambda: jax.block_until_ready(executable(rng, *blocks)))
-            process_group.TpuWork(future, [], group._timeout, f"compiled {self.name}", group._ranks).wait()
+            process_group.TpuWork(future, [], self._timeout, f"compiled {self.name}", self._grid.ranks).wait()
             outputs, written, check = future.result()
             return ([_local(v, s) for v, s in zip(outputs, self._scalar_outputs)],
                     [_local(v, s) for v, s in zip(written, self._scalar_written)],
@@ -236,10 +314,21 @@ class CollectiveGraph(CompiledGraph):
 
         def per_rank(rng: Any, *blocks: Any) -> tuple:
             arrays = [block.reshape(shape) for block, shape in zip(blocks, shapes)]
-            return jax.tree.map(_lift, trace(static_values, rng, *arrays))
+            axes = _GROUP_AXES.set(self._axes)
+            try:
+                return jax.tree.map(_lift, trace(static_values, rng, *arrays))
+            finally:
+                _GROUP_AXES.reset(axes)
 
-        blocked = PartitionSpec(collectives.AXIS)
-        return jax.shard_map(per_rank, mesh=self._group._mesh(chip), in_specs=blocked, out_specs=blocked)(rng, *blocks)
+        mesh = self._mesh(chip)
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=_blocked(mesh), out_specs=_blocked(mesh))(rng, *blocks)
+
+    def _mesh(self, chip: int) -> Mesh:
+        """The grid's mesh of each process's chip ``chip``."""
+        if chip not in self._meshes:
+            chips = [runtime.process_devices(rank)[chip] for rank in self._grid.ranks]
+            self._meshes[chip] = Mesh(np.array(chips).reshape(self._grid.shape), self._grid.names)
+        return self._meshes[chip]
 
 
 def _block_or_none(mesh: Mesh, rng: Any) -> Any:

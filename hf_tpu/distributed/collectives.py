@@ -20,59 +20,64 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS = "ranks"
 
+Axis = str | tuple[str, ...]
+"""The mesh axis a collective runs over, or several (their ranks in row-major order): a group's ranks. Eager
+collectives run over their group's own mesh, axis :data:`AXIS`; a compiled graph over several groups runs on one
+mesh where each group is some of its axes (hf_tpu/compile/graph_collectives.py)."""
 
-def _gathered_reduce(x: Any, op: str) -> Any:
+
+def _gathered_reduce(x: Any, op: str, axis: Axis) -> Any:
     """``x`` reduced over the ranks by ``op``, every rank's value first gathered (for ops psum cannot do)."""
-    every = lax.all_gather(x, AXIS)
+    every = lax.all_gather(x, axis)
     if op == "product":
         return jnp.prod(every, axis=0, dtype=x.dtype)
     return (jnp.max if op == "max" else jnp.min)(every, axis=0)
 
 
-def all_reduce(x: Any, op: str) -> Any:
+def all_reduce(x: Any, op: str, axis: Axis = AXIS) -> Any:
     """``x`` reduced over the ranks by ``op``: sum, avg, max, min or product."""
     if op == "sum":
-        return lax.psum(x, AXIS)
+        return lax.psum(x, axis)
     if op == "avg":
-        return lax.psum(x, AXIS) / jnp.asarray(lax.axis_size(AXIS), x.dtype)
+        return lax.psum(x, axis) / jnp.asarray(lax.axis_size(axis), x.dtype)
     if op in ("max", "min") and x.dtype != jnp.bool_:
-        return (lax.pmax if op == "max" else lax.pmin)(x, AXIS)
-    return _gathered_reduce(x, op)
+        return (lax.pmax if op == "max" else lax.pmin)(x, axis)
+    return _gathered_reduce(x, op, axis)
 
 
-def _from_root(x: Any, root: int) -> Any:
+def _from_root(x: Any, root: int, axis: Axis) -> Any:
     """Zeros on every rank but ``root``: summed over the ranks, the root's values exactly (x + 0 == x)."""
-    return jnp.where(lax.axis_index(AXIS) == root, x, jnp.zeros_like(x))
+    return jnp.where(lax.axis_index(axis) == root, x, jnp.zeros_like(x))
 
 
-def all_gather(x: Any) -> Any:
+def all_gather(x: Any, axis: Axis = AXIS) -> Any:
     """(ranks, *x.shape): every rank's ``x``, in group rank order."""
-    return lax.all_gather(x, AXIS)
+    return lax.all_gather(x, axis)
 
 
-def reduce_scatter(x: Any, op: str) -> Any:
+def reduce_scatter(x: Any, op: str, axis: Axis = AXIS) -> Any:
     """``x`` of (ranks * k, ...) reduced over the ranks; this rank's k rows of it."""
     if op in ("sum", "avg"):
-        total = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
-        return total if op == "sum" else total / jnp.asarray(lax.axis_size(AXIS), x.dtype)
-    rows = x.shape[0] // lax.axis_size(AXIS)
-    return lax.dynamic_slice_in_dim(_gathered_reduce(x, op), lax.axis_index(AXIS) * rows, rows)
+        total = lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+        return total if op == "sum" else total / jnp.asarray(lax.axis_size(axis), x.dtype)
+    rows = x.shape[0] // lax.axis_size(axis)
+    return lax.dynamic_slice_in_dim(_gathered_reduce(x, op, axis), lax.axis_index(axis) * rows, rows)
 
 
-def broadcast(x: Any, root: int) -> Any:
+def broadcast(x: Any, root: int, axis: Axis = AXIS) -> Any:
     wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    return lax.psum(_from_root(wide, root), AXIS).astype(x.dtype)
+    return lax.psum(_from_root(wide, root, axis), axis).astype(x.dtype)
 
 
-def scatter(x: Any, root: int) -> Any:
+def scatter(x: Any, root: int, axis: Axis = AXIS) -> Any:
     """``x`` of (ranks * k, ...), meaningful on ``root`` only; this rank's k rows of the root's ``x``."""
     wide = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    return lax.psum_scatter(_from_root(wide, root), AXIS, scatter_dimension=0, tiled=True).astype(x.dtype)
+    return lax.psum_scatter(_from_root(wide, root, axis), axis, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 
-def all_to_all(x: Any) -> Any:
+def all_to_all(x: Any, axis: Axis = AXIS) -> Any:
     """``x`` of (ranks * k, ...): block j goes to rank j; the result's block i came from rank i."""
-    return lax.all_to_all(x, AXIS, split_axis=0, concat_axis=0, tiled=True)
+    return lax.all_to_all(x, axis, split_axis=0, concat_axis=0, tiled=True)
 
 
 def pad_blocks(x: Any, sizes: list[int], width: int) -> Any:
