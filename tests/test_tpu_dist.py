@@ -8,6 +8,7 @@ script); each case compares the collective on tpu tensors (run by JAX) with the 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
 import torchrun_cases
+from hf_tpu.distributed import runtime as distributed_runtime
 
 WORLD = 2
 LAUNCH_TIMEOUT_S, WORKER_TIMEOUT_S = 120, 100
@@ -259,6 +261,59 @@ def test_tpu_tensor_before_init_process_group_says_to_init_first(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="before creating the first tpu tensor"):
         dist.init_process_group("tpu_dist", store=dist.HashStore(), rank=0, world_size=2)
+
+
+_LIBTPU_SPLIT = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS", "TPU_PROCESS_ADDRESSES",
+                 "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID", "ALLOW_MULTIPLE_LIBTPU_LOAD")
+
+
+def _split_on_a_tpu_host(monkeypatch, chips: int, local_world: int, world: int, rank: int, **environment: str):
+    """What ``_split_tpu_chips`` sets for ``rank`` on a host of ``chips`` TPU chips (the other ranks' ports in the
+    store already), every libtpu variable put back afterwards."""
+    for name in _LIBTPU_SPLIT:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"LOCAL_WORLD_SIZE": str(local_world), **environment}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed_runtime, "_tpu_chips", lambda: chips)
+    store = dist.HashStore()
+    for peer in range(world):
+        if peer != rank:
+            store.set(f"hf_tpu_libtpu_port/{peer}", str(9000 + peer))
+    distributed_runtime._split_tpu_chips(store, rank, world, rank % local_world)
+    return {name: os.environ[name] for name in _LIBTPU_SPLIT if name in os.environ}
+
+
+def test_each_process_on_a_tpu_host_is_given_its_own_chip(monkeypatch):
+    split = _split_on_a_tpu_host(monkeypatch, chips=4, local_world=4, world=4, rank=2)
+    port = split.pop("TPU_PROCESS_PORT")
+    assert split == {"TPU_VISIBLE_CHIPS": "2", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "2,2,1",
+                     "TPU_PROCESS_ADDRESSES": f"localhost:9000,localhost:9001,localhost:{port},localhost:9003",
+                     "CLOUD_TPU_TASK_ID": "2", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    assert distributed_runtime.tpu_chip_split(0, [1, 2, 3, 4, 5, 6, 7, 8], 8)["TPU_PROCESS_BOUNDS"] == "4,2,1"
+
+
+def test_no_chip_split_on_cpu_hosts_one_process_per_host_or_the_users_own(monkeypatch):
+    from jax._src import hardware_utils
+
+    assert distributed_runtime._tpu_chips() == 0  # this host has no TPU chips on its PCI bus
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, None))
+    assert distributed_runtime._tpu_chips() == 4  # where it had some
+    monkeypatch.setenv("HF_TPU_PLATFORM", "cpu")
+    assert distributed_runtime._tpu_chips() == 0  # but JAX is to run on the CPU
+    assert _split_on_a_tpu_host(monkeypatch, chips=0, local_world=2, world=2, rank=1) == {}
+    assert _split_on_a_tpu_host(monkeypatch, chips=4, local_world=1, world=4, rank=1) == {}  # one per host
+    assert _split_on_a_tpu_host(monkeypatch, chips=4, local_world=4, world=4, rank=1,
+                                TPU_VISIBLE_CHIPS="3") == {"TPU_VISIBLE_CHIPS": "3"}
+
+
+@pytest.mark.parametrize("chips, local_world, world, message", [
+    (4, 2, 2, r"2 processes on a TPU host with 4 chips; .*one process per chip \(`hf-tpu launch script.py`\)"),
+    (2, 2, 2, r"2 processes on a TPU host with 2 chips; hf_tpu gives each process one chip of a host with 1, 4, 8"),
+    (4, 4, 8, r"4 processes on each of several TPU hosts; .*--nproc-per-node 1"),
+])
+def test_a_chip_split_hf_tpu_cannot_make_says_what_to_run(monkeypatch, chips, local_world, world, message):
+    with pytest.raises(RuntimeError, match=message):
+        _split_on_a_tpu_host(monkeypatch, chips=chips, local_world=local_world, world=world, rank=0)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ import torch.distributed as dist
 from ..backend import runtime
 
 _COORDINATOR_KEY = "hf_tpu_jax_coordinator"
+_TPU_PORT_KEY = "hf_tpu_libtpu_port"
+_PROCESS_BOUNDS = {1: "1,1,1", 4: "2,2,1", 8: "4,2,1"}
+"""libtpu's grid of the processes of one host, one chip each, by the host's chip count: what JAX's own
+multi-process test launcher passes (jax/_src/test_multiprocess.py; its 8-chip grid is v6e's 2x4)."""
 _LAUNCH_HINT = (
     "launch the script with torchrun (`torchrun --nproc-per-node N script.py`, or `python -m torch.distributed.run "
     "--nproc-per-node N script.py`), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; "
@@ -56,6 +60,53 @@ def _local_device_ids(local_rank: int) -> list[int] | None:
     return None if runtime.requested_platform() == "cpu" else [local_rank]
 
 
+def _tpu_chips() -> int:
+    """This host's TPU chips where JAX is to use them (PCI devices, counted as JAX counts them, before it starts)."""
+    if runtime.requested_platform() not in ("tpu", "auto"):
+        return 0
+    from jax._src import hardware_utils  # no public API counts the chips without starting libtpu
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
+def tpu_chip_split(local_rank: int, ports: list[int], chips: int) -> dict[str, str]:
+    """libtpu's variables giving process ``local_rank`` of a TPU host's ``len(ports)`` processes (``ports``: each
+    one's free port, by local rank) its own one of the host's ``chips``, as JAX's multi-process launcher sets them."""
+    bounds = _PROCESS_BOUNDS.get(len(ports))
+    if len(ports) != chips or bounds is None:
+        raise RuntimeError(f"tpu_dist: {len(ports)} processes on a TPU host with {chips} chips; hf_tpu gives each "
+                           f"process one chip of a host with {', '.join(map(str, _PROCESS_BOUNDS))} chips: run one "
+                           "process per chip (`hf-tpu launch script.py`), or one process driving all of them "
+                           "(`hf-tpu launch --nproc-per-node 1 script.py`), or set libtpu's TPU_VISIBLE_CHIPS, "
+                           "TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES and "
+                           "TPU_PROCESS_PORT in each process yourself.")
+    return {"TPU_VISIBLE_CHIPS": str(local_rank), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+            "TPU_PROCESS_BOUNDS": bounds, "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{port}" for port in ports),
+            "TPU_PROCESS_PORT": str(ports[local_rank]), "CLOUD_TPU_TASK_ID": str(local_rank),
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def _split_tpu_chips(store: dist.Store, rank: int, world_size: int, local_rank: int) -> None:
+    """On a TPU host running several processes, tells libtpu which chip is each one's (before JAX starts; every
+    torchrun worker has the same environment, and libtpu would open every chip in each). A split set by the user
+    (``TPU_VISIBLE_CHIPS``) is kept."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world == 1 or "TPU_VISIBLE_CHIPS" in os.environ:
+        return
+    chips = _tpu_chips()
+    if not chips:
+        return
+    if local_world != world_size:
+        raise RuntimeError(f"tpu_dist: {local_world} processes on each of several TPU hosts; hf_tpu splits one "
+                           "host's chips between its processes, but not a pod slice's: run one process per host "
+                           "(`hf-tpu launch --nproc-per-node 1 ...`), which drives all of its chips, or set libtpu's "
+                           "TPU_VISIBLE_CHIPS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES (every process's host:port) "
+                           "and TPU_PROCESS_PORT in each process yourself.")
+    store.set(f"{_TPU_PORT_KEY}/{rank}", str(_free_port()))
+    ports = [int(store.get(f"{_TPU_PORT_KEY}/{peer}")) for peer in range(world_size)]
+    os.environ.update(tpu_chip_split(local_rank, ports, chips))
+
+
 def start(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
     """Starts JAX's multi-process runtime for ``world_size`` processes (this one is ``rank``), once per process;
     a single process needs none. Raises if JAX already created its backends (a tpu tensor came first)."""
@@ -66,6 +117,7 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: datetime.timed
         raise RuntimeError(f"tpu_dist: JAX's runtime already runs as rank {_started[0]} of {_started[1]}; one "
                            f"process joins one world: rank {rank} of {world_size} needs a new process.")
     host, local_rank = _environment(rank, world_size)
+    _split_tpu_chips(store, rank, world_size, local_rank)
     jax = runtime.jax_module()
     from jax._src import xla_bridge
 
