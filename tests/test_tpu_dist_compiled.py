@@ -262,6 +262,22 @@ def case_a_graph_with_an_op_without_lowering_falls_back_to_eager():
     assert compile_stats()["fallbacks"] == 1
 
 
+def case_uneven_all_to_all_in_a_graph_runs_eagerly_with_eagers_values():
+    """Uneven splits are each rank's own constants, so no padded width is known to all ranks when the graph is
+    compiled: the graph runs eagerly (after a warning saying why), with the eager collective's results."""
+    rank, xs = dist.get_rank(), _every(4, 2)
+    sent, received = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+
+    def step(x):
+        return funcol.all_to_all_single(x * 2, received, sent, dist.group.WORLD) + 1
+
+    with _strict(False), pytest.warns(UserWarning, match=r"split sizes .* only even splits over the 2 ranks"):
+        result = _compiled(step)(xs[rank].to("tpu"))
+    expected = torch.cat([xs[0][:1], xs[1][:2]]) if rank == 0 else torch.cat([xs[0][1:], xs[1][2:]])
+    _same(result, expected * 2 + 1)
+    assert compile_stats()["fallbacks"] == 1
+
+
 def _refused(fn, message: str, *args: torch.Tensor) -> None:
     """Strict graph mode refuses ``fn``'s graph, raising NotImplementedError with ``message`` before it runs."""
     with _strict(), pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=message) as error:
