@@ -3,7 +3,8 @@
 ``jax.distributed.initialize`` must run before JAX creates a backend, i.e. before the first tpu tensor
 (:func:`hf_tpu.backend.runtime.devices` creates them lazily). Rank 0 serves JAX's coordinator on a free port
 of ``MASTER_ADDR`` and publishes the address in torch's store, so it never clashes with the store's own port.
-After it, JAX sees every process's devices (``jax.devices()``) and each process drives its local ones.
+After it, JAX sees every process's devices (``jax.devices()``) and each process drives its local ones. On a TPU
+host running several processes, each first tells libtpu which chip is its own (:func:`tpu_chip_split`).
 """
 
 from __future__ import annotations
