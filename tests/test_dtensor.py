@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -215,11 +216,15 @@ def case_2d_tensor_parallel_mlp_per_data_parallel_rank():
 
 
 def _compiled_once(fn):
-    """``fn`` compiled by graph mode as one graph (``fullgraph``), with no eager fallback allowed."""
+    """``fn`` compiled by graph mode as one graph (``fullgraph``), the compile counters reset."""
     torch._dynamo.reset()
     reset_compile_stats()
-    os.environ["HF_TPU_STRICT_COMPILE"] = "1"  # a graph that cannot be lowered is an error, not eager code
     return torch.compile(fn, backend="tpu", fullgraph=True)
+
+
+def _strict_compile():
+    """HF_TPU_STRICT_COMPILE set while in use: a graph that cannot be lowered is an error, not eager code."""
+    return mock.patch.dict(os.environ, {"HF_TPU_STRICT_COMPILE": "1"})
 
 
 def _ran_as_one_program(graphs: int = 1) -> None:
@@ -240,10 +245,8 @@ def case_2d_one_compiled_graph_communicates_over_both_sub_meshes_and_the_world()
                 funcol.reduce_scatter_tensor(summed, "sum", 0, tp), funcol.broadcast(x * 2, 1, dp))
 
     xs = [_full(2, 3, seed=r) for r in range(4)]
-    try:
+    with _strict_compile():
         summed, highest, scattered, broadcast = _compiled_once(step)(xs[rank].to("tpu"))
-    finally:
-        os.environ.pop("HF_TPU_STRICT_COMPILE")
     rows = [torch.cat(xs[r // 2 * 2:r // 2 * 2 + 2]) for r in range(4)]  # what each rank's tp row gathers
     _close(summed, rows[0] + rows[2])  # the same on every rank: column sums of rows
     _close(highest, torch.stack(xs).amax(0))
@@ -260,11 +263,9 @@ def case_2d_compiled_tensor_parallel_mlp_summed_over_data_parallel_rows_forward_
     mlp, reference = _parallelized(_Mlp(), mesh["tp"], _mlp_plan())
     dp = mesh["dp"].get_group()
     inputs = [_full(3, 8, seed=20 + row) for row in range(2)]
-    try:
+    with _strict_compile():
         loss = _compiled_once(lambda x: funcol.all_reduce(mlp(x), "sum", dp).sum() / 2)(inputs[rank // 2].to("tpu"))
         loss.backward()
-    finally:
-        os.environ.pop("HF_TPU_STRICT_COMPILE")
     _close(loss, (reference(inputs[0]) + reference(inputs[1])).sum().detach() / 2)
     reference(inputs[rank // 2]).sum().backward()
     _compare_grads(mlp, reference)
