@@ -31,6 +31,7 @@ from . import guard
 from .out_of_memory import raise_if_out_of_memory
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
+_ONE_CHIP = storage.ONE_CHIP
 _REQUIRED = object()
 
 
@@ -197,21 +198,25 @@ class _Inputs:
 
     def read(self, tensor: torch.Tensor, position: tuple[int, int]) -> Any:
         try:
-            buffer = storage.buffer_of(tensor)
+            buffer = tensor.untyped_storage()._hf_buffer  # storage.buffer_of's common case, inline: read per op
         except AttributeError:
-            if isinstance(tensor, (float, complex)) and position[1] < 0:
-                self.numbers.append(position[0])
-            return self._foreign(tensor)
+            try:
+                buffer = storage.buffer_of(tensor)
+            except AttributeError:
+                if isinstance(tensor, (float, complex)) and position[1] < 0:
+                    self.numbers.append(position[0])
+                return self._foreign(tensor)
         array = buffer.array
         if array is None:
             array = buffer.current() if self.recording else buffer.materialize()
+        chip = buffer.device_index
         if self.device_index is None:
-            self.device_index = buffer.device_index
-        elif buffer.device_index != self.device_index:
+            self.device_index = chip
+        elif chip != self.device_index:
             self.mixed = True
-        if type(array.sharding) is not storage.ONE_CHIP:
+        if array.sharding.__class__ is not _ONE_CHIP:
             self.mixed = True
-        self.read_from.append((position, buffer.device_index, array))
+        self.read_from.append((position, chip, array))
         if array.shape != tensor.shape or not storage.is_whole(tensor, buffer):
             self.views.append((position, storage.view_geometry(tensor, buffer)))
         return array
@@ -411,10 +416,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
             order = None
             if keeps_layout and first_tensor is not None:
-                order = _memory_order(bound, first_tensor, tensor_slots)
+                first = bound[first_tensor]
+                if isinstance(first, torch.Tensor) and not first.is_contiguous():  # else a contiguous result
+                    order = _memory_order(bound, first_tensor, tensor_slots)
             key = (
                 static_values,
-                tuple(map(type, static_values)),  # 4 == 4.0 == True, but arange(4) and arange(4.0) differ
+                tuple(map(type, static_values)) if static_values else (),  # arange(4) and arange(4.0) differ
                 tuple(defaulted),
                 tuple(reader.views) if reader.views else (),
                 torch.get_default_dtype(),  # type promotion of Python floats depends on it

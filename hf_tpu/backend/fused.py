@@ -115,6 +115,7 @@ class _Chain:
         # id(input) -> its first slot; inputs are kept alive. Not for numbers: which ones are equal (and so one
         # cached array, or one small int) changes from step to step, the structure of the chain must not.
         self.slot_of: dict[int, int] = {}
+        self.signature_of: dict[int, tuple] = {}  # id(input) -> its signature, for those in slot_of
         self.slots = 0
         self.checks = 0  # ops with a check output
         self.work = 0  # elements of the ops' results
@@ -136,8 +137,9 @@ class _Chain:
         slot = self.slot_of.get(id(value)) if shared else None
         if slot is None or slot in used:
             slot = self.slots
-            if shared:
-                self.slot_of.setdefault(id(value), slot)
+            if shared and id(value) not in self.slot_of:
+                self.slot_of[id(value)] = slot
+                self.signature_of[id(value)] = signature
             self.slots += 1
             self.inputs.append(value)
             self.input_slots.append(slot)
@@ -261,8 +263,10 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
     ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
     with _lock:
-        signature = tuple([_signature_of(value) for value in call])
-        trace = _traced(fn, call, signature, pair, name)
+        known = _chain.signature_of  # an array read again (a weight) is not asked for its shape and dtype again
+        signature = tuple([value.signature if value.__class__ is Lazy and value.array is None
+                           else known.get(id(value)) or _signature_of(value) for value in call])
+        trace = _traces.get((fn, signature)) or _traced(fn, call, signature, pair, name)
         chain = _chain
         bound = _ends_before(chain, trace)
         if chain.device != device or bound:
@@ -270,7 +274,9 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
             chain.after_bound = bound
         refs, used = [], []
         for value, sig in zip(call, signature):
-            if value.__class__ is tuple:
+            if value.__class__ is Lazy and value.chain is chain and value.array is None:
+                refs.append(value.slot)  # the result of an op of this chain: the common case
+            elif value.__class__ is tuple:
                 refs.append(tuple([chain.ref(item, item_sig, used) for item, item_sig in zip(value, sig)]))
             else:
                 refs.append(chain.ref(value, sig, used))
@@ -280,14 +286,16 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         sharding = _shardings.get(device)
         if sharding is None:
             sharding = _shardings[device] = jax.sharding.SingleDeviceSharding(runtime.device(device))
-        handles = []
+        handles, op.outputs = [], []
+        slot = chain.slots
         for shape, dtype, sig, size in trace.leaves:
             handle = Lazy()
-            handle.slot, handle.shape, handle.dtype, handle.signature = chain.slots, shape, dtype, sig
+            handle.slot, handle.shape, handle.dtype, handle.signature = slot, shape, dtype, sig
             handle.size, handle.sharding, handle.array, handle.chain = size, sharding, None, chain
-            chain.slots += 1
+            slot += 1
             handles.append(handle)
-        op.outputs = [weakref.ref(handle) for handle in handles]
+            op.outputs.append(weakref.ref(handle))
+        chain.slots = slot
         chain.ops.append(op)
         chain.work += trace.work
         _stats["ops"] += 1
@@ -383,7 +391,7 @@ def _run(chain: _Chain) -> None:
 
 def _release(chain: _Chain) -> None:
     """A chain that ran keeps no inputs and no ops."""
-    chain.ops, chain.inputs, chain.slot_of = [], [], {}
+    chain.ops, chain.inputs, chain.slot_of, chain.signature_of = [], [], {}, {}
 
 
 def _resolve(refs: tuple, values: Any) -> list:

@@ -78,6 +78,11 @@ class Buffer:
     def __init__(self, array: Any, dtype: torch.dtype, numel: int, device_index: int, transfer: bool = False) -> None:
         self.nbytes = numel * dtype.itemsize
         self.sharding = self.shards = None
+        if array.__class__ is fused.Lazy:  # a recorded op's result (on one chip): the common case, kept short
+            self.address = allocator.new_address(self.nbytes, device_index, True)
+            self.array, self.pending = None, array
+            self.dtype, self.numel, self.device_index = dtype, numel, device_index
+            return
         # first, before anything is counted: both may refuse (devices that are no chips; a size no chip holds)
         shards = _shard_bytes(array, dtype) if array is not None and is_spread(array) else None
         self.address = allocator.new_address(self.nbytes, device_index, array is not None and shards is None)
@@ -87,9 +92,7 @@ class Buffer:
         self.device_index = device_index
         if shards is not None:
             device_index = self._spread_over(array, shards)
-        if array.__class__ is fused.Lazy:
-            self.array, self.pending = None, array
-        elif array is not None:
+        if array is not None:
             if transfer:
                 _transfers[device_index] = array
             else:
