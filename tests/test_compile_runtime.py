@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -187,3 +188,37 @@ def test_graph_breaks_run_the_code_between_graphs_eagerly():
         result = torch.compile(branchy, backend="tpu")(to_tpu(x))
         torch.testing.assert_close(result.cpu(), branchy(x))
     assert compile_stats()["compilations"] >= 2 and compile_stats()["fallbacks"] == 0
+
+
+def _freeze_counts_seen_by_the_backend(calls: int) -> list[int]:
+    """``gc.get_freeze_count()`` inside each of ``calls`` compiles of a new tpu graph (Dynamo's compile running)."""
+    from hf_tpu.compile import tpu_backend
+
+    seen = []
+
+    def backend(graph_module, inputs):
+        seen.append(gc.get_freeze_count())
+        return tpu_backend(graph_module, inputs)
+
+    x = torch.randn(3, device="tpu")
+    for scale in range(calls):
+        torch.compile(lambda t, scale=scale: t * (scale + 2) + 1, backend=backend)(x)
+    return seen
+
+
+def test_objects_are_frozen_while_dynamo_compiles_and_only_then():
+    torch._dynamo.reset()  # clears Dynamo's callbacks: the first graph after it registers them again
+    first, second = _freeze_counts_seen_by_the_backend(2)
+    assert first == 0 and second > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_objects_the_process_froze_itself_are_left_frozen():
+    _freeze_counts_seen_by_the_backend(1)  # registered
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()  # frozen objects still die of their references, so it only shrinks
+        (seen,) = _freeze_counts_seen_by_the_backend(1)
+        assert 0 < seen <= frozen and 0 < gc.get_freeze_count() <= frozen  # none frozen, none unfrozen
+    finally:
+        gc.unfreeze()

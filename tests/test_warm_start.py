@@ -157,3 +157,28 @@ def test_entries_are_kept_unless_the_cache_is_off(monkeypatch: pytest.MonkeyPatc
     assert torch.equal(_compile_and_run(x.to("tpu")), first)
     assert compile_stats()["warm_starts"] == start + 1
     torch.testing.assert_close(first, expected)
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_saved_graphs_keep_each_node_value_shape_strides_and_dtype(tracing_mode: str) -> None:
+    """Fixed-size values are saved as their layout and made again as empty fake tensors; symbolic ones the
+    way torch's GraphPickler saves them."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import Options
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x.t() * 2).sum(0), x[1:], x.t().contiguous().to(torch.float64)
+
+    saved = make_fx(f, tracing_mode=tracing_mode)(torch.randn(4, 3))
+    options = Options(ops_filter=None, node_metadata_key_filter={"val"}.__contains__)
+    pickled = warm_start._pickler().dumps(saved, options)
+    loaded = warm_start._pickler().loads(pickled, FakeTensorMode(shape_env=ShapeEnv()))
+    values = [(node.meta["val"], other.meta["val"]) for node, other in zip(saved.graph.nodes, loaded.graph.nodes)
+              if isinstance(node.meta.get("val"), torch.Tensor)]
+    assert len(values) >= 6
+    for value, other in values:
+        assert isinstance(other, torch._subclasses.FakeTensor)
+        assert (str(other.shape), str(other.stride()), other.dtype, other.device) == \
+            (str(value.shape), str(value.stride()), value.dtype, value.device)

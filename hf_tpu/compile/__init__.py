@@ -20,8 +20,10 @@ from .stats import compile_stats, reset_compile_stats
 
 def tpu_backend(graph_module: Any, example_inputs: list) -> Any:
     """The ``"tpu"`` Dynamo backend: ``torch.compile(fn, backend="tpu")`` (imports JAX when first called)."""
+    from . import frozen_heap
     from .backend import compile_graph
 
+    frozen_heap.register()  # again after a torch._dynamo.reset(), which clears Dynamo's callbacks
     return compile_graph(graph_module, example_inputs)
 
 
@@ -33,7 +35,10 @@ def install() -> None:
     """Graph mode's hooks into torch, applied at device registration (without importing Dynamo)."""
     from ..integrations import when_imported
 
+    from . import frozen_heap
+
     _install_default_backend()
+    when_imported("torch._dynamo.callback", lambda _: frozen_heap.register())
     when_imported("torch._dynamo.trace_rules", _skip_in_dynamo)
     when_imported("torch._subclasses.fake_impls", _fake_grouped_mm_for_every_dtype)
 

@@ -31,6 +31,7 @@ import torch._functorch.config
 from torch._functorch._aot_autograd import autograd_cache
 from torch._inductor.output_code import OutputCode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._mode_utils import no_dispatch
 
 from ..backend import runtime
 from .stats import count
@@ -173,12 +174,31 @@ def _pickler() -> type:
 
     class Pickler(GraphPickler):
         def reducer_override(self, obj: object) -> Any:
+            if isinstance(obj, FakeTensor) and _described_by_layout(obj):
+                return _fake_tensor, (tuple(obj.shape), obj.stride(), obj.dtype, str(obj.device), obj.requires_grad,
+                                      self._unpickle_state)
             if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.device.type == "tpu":
                 with unset_fake_temporarily():
                     return _to_device, (obj.detach().cpu(), str(obj.device), obj.requires_grad)
             return super().reducer_override(obj)
 
     return Pickler
+
+
+def _described_by_layout(fake: FakeTensor) -> bool:
+    """Whether a node's value is all graph mode reads of it, its shape, strides and dtype, fixed: then it is kept
+    as those and made again as an empty fake tensor (:func:`_fake_tensor`). torch's own description of a fake
+    tensor (views, bases, symbolic sizes) takes about a millisecond per node to rebuild, most of a loaded
+    entry's time; a symbolic size keeps it."""
+    return fake.layout == torch.strided and all(isinstance(n, int) for n in (*fake.shape, *fake.stride()))
+
+
+def _fake_tensor(shape: tuple, stride: tuple, dtype: torch.dtype, device: str, requires_grad: bool,
+                 state: Any) -> FakeTensor:
+    with no_dispatch():  # as torch's GraphPickler makes its fake tensors: a meta tensor under the loader's mode
+        fake = FakeTensor(state.fake_mode, torch.empty_strided(shape, stride, dtype=dtype, device="meta"),
+                          torch.device(device))
+    return fake.requires_grad_(requires_grad) if requires_grad else fake
 
 
 def _to_device(host: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
