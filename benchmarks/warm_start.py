@@ -9,8 +9,9 @@ load, one run), in wall seconds and in process CPU seconds (less sensitive to a 
 - ``tpu warm``: both caches warm: AOTAutograd's result and the XLA program are loaded;
 - ``tpu warm, XLA cache only``: what a second process got before the warm-start cache (the AOTAutograd
   cache off with ``TORCHINDUCTOR_AUTOGRAD_CACHE=0``): Dynamo and AOTAutograd trace again;
-- ``cpu eager backend``: Dynamo alone (``backend="eager"`` runs its graph as it is): the floor a cache
-  below Dynamo can reach;
+- ``cpu eager backend``: Dynamo alone (``backend="eager"`` runs its graph as it is), what a cache below
+  Dynamo leaves; but a process that never ran a tpu op, so Python's collector is not held back during its
+  compile as it is in the tpu rows (``hf_tpu/compile/frozen_heap.py``, about half a second here);
 - ``cpu inductor cold / warm``: torch's own backend with its own caches, for comparison (``--no-inductor``
   skips it: a cold Inductor compile of this model takes a minute on a small host).
 
