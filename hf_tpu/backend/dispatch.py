@@ -31,7 +31,6 @@ from . import guard
 from .out_of_memory import raise_if_out_of_memory
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
-_ONE_CHIP = storage.ONE_CHIP
 _REQUIRED = object()
 
 
@@ -198,14 +197,11 @@ class _Inputs:
 
     def read(self, tensor: torch.Tensor, position: tuple[int, int]) -> Any:
         try:
-            buffer = tensor.untyped_storage()._hf_buffer  # storage.buffer_of's common case, inline: read per op
+            buffer = storage.buffer_of(tensor)
         except AttributeError:
-            try:
-                buffer = storage.buffer_of(tensor)
-            except AttributeError:
-                if isinstance(tensor, (float, complex)) and position[1] < 0:
-                    self.numbers.append(position[0])
-                return self._foreign(tensor)
+            if isinstance(tensor, (float, complex)) and position[1] < 0:
+                self.numbers.append(position[0])
+            return self._foreign(tensor)
         array = buffer.array
         if array is None:
             array = buffer.current() if self.recording else buffer.materialize()
@@ -214,7 +210,7 @@ class _Inputs:
             self.device_index = chip
         elif chip != self.device_index:
             self.mixed = True
-        if array.sharding.__class__ is not _ONE_CHIP:
+        if type(array.sharding) is not storage.ONE_CHIP:
             self.mixed = True
         self.read_from.append((position, chip, array))
         if array.shape != tensor.shape or not storage.is_whole(tensor, buffer):

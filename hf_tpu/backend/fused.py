@@ -112,10 +112,10 @@ class _Chain:
         self.inputs: list[Any] = []
         self.input_slots: list[int] = []
         self.input_signatures: list[tuple] = []
-        # id(input) -> its first slot; inputs are kept alive. Not for numbers: which ones are equal (and so one
-        # cached array, or one small int) changes from step to step, the structure of the chain must not.
-        self.slot_of: dict[int, int] = {}
-        self.signature_of: dict[int, tuple] = {}  # id(input) -> its signature, for those in slot_of
+        # id(input) -> its first slot and its signature; inputs are kept alive. Not for numbers: which ones are
+        # equal (and so one cached array, or one small int) changes from step to step, the structure of the chain
+        # must not.
+        self.known: dict[int, tuple[int, tuple]] = {}
         self.slots = 0
         self.checks = 0  # ops with a check output
         self.work = 0  # elements of the ops' results
@@ -132,14 +132,14 @@ class _Chain:
                     raise _failed(value)
                 return value.slot
             value = value.array
-        # not a number, nor a number's cached array (a weakly-typed scalar: equal numbers share one), see slot_of
+        # not a number, nor a number's cached array (a weakly-typed scalar: equal numbers share one), see known
         shared = len(signature) == 3 and (signature[0] or not signature[2])
-        slot = self.slot_of.get(id(value)) if shared else None
+        known = self.known.get(id(value)) if shared else None
+        slot = None if known is None else known[0]
         if slot is None or slot in used:
             slot = self.slots
-            if shared and id(value) not in self.slot_of:
-                self.slot_of[id(value)] = slot
-                self.signature_of[id(value)] = signature
+            if shared and known is None:
+                self.known[id(value)] = (slot, signature)
             self.slots += 1
             self.inputs.append(value)
             self.input_slots.append(slot)
@@ -188,7 +188,6 @@ _traces: OrderedDict = OrderedDict()  # (program, input signatures) -> its trace
 _programs: OrderedDict = OrderedDict()  # chain structure -> jitted chain program
 _STATS = ("ops", "flushes", "program_hits", "program_misses")
 _stats = dict.fromkeys(_STATS, 0)
-_shardings: dict[int, Any] = {}
 
 
 def _unchecked(fn: Callable) -> Callable:
@@ -210,11 +209,8 @@ class _Trace:
 
 def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) -> _Trace:
     """``fn`` (jitted) traced for values of ``signature``, as strict mode's call of it would trace it, and checked
-    for TPU chips as strict mode checks it (:func:`tpu_lowering.checked`); cached."""
-    key = (fn, signature)
-    found = _traces.get(key)
-    if found is not None:
-        return found
+    for TPU chips as strict mode checks it (:func:`tpu_lowering.checked`), into the cache :func:`record` looks in
+    first."""
     abstract = [
         tuple(_abstract(v, s) for v, s in zip(value, sig)) if value.__class__ is tuple else _abstract(value, sig)
         for value, sig in zip(call, signature)
@@ -231,7 +227,7 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     found.leaves = tuple((leaf.shape, leaf.dtype, (leaf.shape, leaf.dtype, leaf.weak_type), int(np.prod(leaf.shape)))
                          for leaf in leaves)
     found.work = sum(leaf[3] for leaf in found.leaves)
-    _traces[key] = found
+    _traces[fn, signature] = found
     if len(_traces) > storage.PROGRAMS_PER_CACHE:
         _traces.popitem(last=False)
     return found
@@ -263,9 +259,10 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
     ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
     with _lock:
-        known = _chain.signature_of  # an array read again (a weight) is not asked for its shape and dtype again
+        known = _chain.known  # an array read again (a weight) is not asked for its shape and dtype again
         signature = tuple([value.signature if value.__class__ is Lazy and value.array is None
-                           else known.get(id(value)) or _signature_of(value) for value in call])
+                           else entry[1] if (entry := known.get(id(value))) else _signature_of(value)
+                           for value in call])
         trace = _traces.get((fn, signature)) or _traced(fn, call, signature, pair, name)
         chain = _chain
         bound = _ends_before(chain, trace)
@@ -283,9 +280,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         op = _Op()
         op.trace, op.refs, op.first, op.name = trace, tuple(refs), chain.slots, name
         op.line = _user_line()
-        sharding = _shardings.get(device)
-        if sharding is None:
-            sharding = _shardings[device] = jax.sharding.SingleDeviceSharding(runtime.device(device))
+        sharding = runtime.one_chip(device)
         handles, op.outputs = [], []
         slot = chain.slots
         for shape, dtype, sig, size in trace.leaves:
@@ -391,7 +386,7 @@ def _run(chain: _Chain) -> None:
 
 def _release(chain: _Chain) -> None:
     """A chain that ran keeps no inputs and no ops."""
-    chain.ops, chain.inputs, chain.slot_of, chain.signature_of = [], [], {}, {}
+    chain.ops, chain.inputs, chain.known = [], [], {}
 
 
 def _resolve(refs: tuple, values: Any) -> list:

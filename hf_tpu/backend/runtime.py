@@ -227,6 +227,14 @@ def device(index: int) -> Any:
     return devices()[index]
 
 
+@functools.cache
+def one_chip(index: int) -> Any:
+    """The sharding of an array on ``tpu:index`` alone."""
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(device(index))
+
+
 _for_tpu_chips = threading.local()
 
 

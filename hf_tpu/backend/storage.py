@@ -276,7 +276,7 @@ PROGRAMS_PER_CACHE = 1024
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _zeros_program(numel: int, dtype: Any, device_index: int) -> Any:
     """A jitted maker of zeros on the chip: ``jnp.zeros(..., device=)`` costs ~1 ms of Python per call."""
-    sharding = jax.sharding.SingleDeviceSharding(runtime.device(device_index))
+    sharding = runtime.one_chip(device_index)
     return tpu_lowering.checked("zeros", jax.jit(functools.partial(jnp.zeros, (numel,), dtype),
                                                  out_shardings=sharding))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 import weakref
@@ -110,7 +109,8 @@ def to_device(host: torch.Tensor, dtype: torch.dtype, device_index: int | jax.sh
     if array.dtype != target:
         array = array.astype(target)
     if array.nbytes <= SMALL_TRANSFER and not isinstance(device_index, jax.sharding.Sharding):
-        return _small_to_chip(array, destination)
+        return pxla.batched_device_put(core.ShapedArray(array.shape, array.dtype), runtime.one_chip(device_index),
+                                       [array], [destination])
     return jax.device_put(array, destination, may_alias=False)
 
 
@@ -120,15 +120,6 @@ the transfer ``jax.device_put`` ends in (``pxla.batched_device_put``, JAX's C++ 
 Python around it: that is most of a small copy's time (a 3-element array: 24 against 5 µs here). Larger ones take
 ``device_put``, whose time is the copy's. The array given is the host's own (``to_device`` copied it first where
 the host tensor could be written later), so the device may keep its memory."""
-
-
-def _small_to_chip(array: np.ndarray, chip: Any) -> Any:
-    return pxla.batched_device_put(core.ShapedArray(array.shape, array.dtype), _one_chip(chip), [array], [chip])
-
-
-@functools.cache
-def _one_chip(chip: Any) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(chip)
 
 
 def _transferred(host: torch.Tensor, dtype: torch.dtype, device_index: int) -> Any:
