@@ -25,6 +25,7 @@ INTEGRATIONS: dict[str, str] = {
     "transformers.utils.import_utils": "hub_kernels",
     "diffusers.utils.torch_utils": "diffusers",
     "torch._inductor": "inductor",  # ahead-of-time compilation: tpu programs go to hf_tpu.export
+    "torch._dynamo": "dynamo",  # torch's caching precompile for HF models
     "safetensors": "safetensors",
     "kernels": "kernels",  # the Hugging Face kernels library (not hf_tpu.kernels)
 }

@@ -24,6 +24,11 @@ It also makes ``LayerRepository`` with ``version=`` honour ``LOCAL_KERNELS`` as 
 (``kernels/layer/layer.py`` and ``kernels/load.py``): kernels looks the version up on the Hub (or, offline, in
 the cache: "Version 1 ... is not available in the local cache") before reaching the override that makes the
 lookup moot.
+
+And it gives the module class that ``use_kernel_func_from_hub`` makes of a function (``kernels/layer/layer.py``,
+``_create_func_module``, a class defined inside that function) a name in this module, so that torch's caching
+precompile can save guards on it (Dynamo refuses classes "defined in local scope", and transformers decorates
+``apply_rotary_pos_emb`` so).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import functools
 import importlib
 import inspect
 import os
+import re
+import sys
 from types import ModuleType
 from typing import Any, Callable
 
@@ -60,6 +67,7 @@ def install(kernels_module: ModuleType) -> None:
     ):
         _wrap(module, name, functools.partial(explain, kernels_module))
     _skip_version_lookup_for_local_kernels(layer, importlib.import_module(f"{package}.load"))
+    _name_function_modules(layer)
 
 
 def _wrap(module: ModuleType, name: str, explain: Callable[[Exception, dict[str, Any]], Exception | None]) -> None:
@@ -100,6 +108,26 @@ def _skip_version_lookup_for_local_kernels(module: ModuleType, load: ModuleType)
 
     setattr(select_revision_or_version, _WRAPPED, True)
     module.select_revision_or_version = select_revision_or_version
+
+
+def _name_function_modules(module: ModuleType) -> None:
+    """Makes ``module._create_func_module(func)`` return its class under a name of this module derived from
+    ``func``'s module and qualified name (the same in every process that imports ``func``)."""
+    original = module._create_func_module
+    if getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def _create_func_module(func: Callable) -> type:
+        cls = original(func)
+        if "<locals>" in cls.__qualname__:
+            cls.__name__ = cls.__qualname__ = re.sub(r"\W", "_", f"Func_{func.__module__}_{func.__qualname__}")
+            cls.__module__ = __name__
+            setattr(sys.modules[__name__], cls.__name__, cls)
+        return cls
+
+    setattr(_create_func_module, _WRAPPED, True)
+    module._create_func_module = _create_func_module
 
 
 def _local_kernels(load: ModuleType) -> dict[str, Any]:

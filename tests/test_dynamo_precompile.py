@@ -1,0 +1,146 @@
+"""torch's caching precompile (``TORCH_CACHING_PRECOMPILE=1``) for tpu models (hf_tpu/integrations/dynamo.py):
+a second process installs what Dynamo made of an HF model's forward instead of tracing it.
+
+Each case is a fresh process sharing one cache directory: a tiny Llama built from a config, compiled for tpu,
+reports its logits or greedy tokens, the same computed on the CPU, how many frames Dynamo traced and how many
+saved packages it loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+_CHILD = r"""
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=64)
+torch.manual_seed(0)
+reference = LlamaForCausalLM(config).eval()
+model = LlamaForCausalLM(config).eval().to("tpu")
+model.load_state_dict(reference.state_dict())
+results = []
+for task in sys.argv[1:]:
+    ids = torch.randint(0, config.vocab_size, (1, 8 if task == "generate" else int(task)))
+    traced = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        if task == "generate":
+            options = dict(max_new_tokens=4, do_sample=False)
+            result = {"tokens": model.generate(ids.to("tpu"), cache_implementation="static", **options).tolist(),
+                      "expected": reference.generate(ids, **options).tolist()}
+        else:
+            compiled = torch.compile(model, backend="tpu")
+            result = {"logits": compiled(ids.to("tpu")).logits.cpu().tolist(),
+                      "expected": reference(ids).logits.tolist()}
+    results.append({**result, "traced": counters["stats"]["unique_graphs"] - traced})
+print(json.dumps({"results": results, "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def _run(cache: str, *tasks: str) -> dict:
+    """One process running ``tasks`` (a sequence length: a compiled forward; ``generate``: static-cache greedy
+    decoding), each checked against the CPU, with torch's caching precompile on and its caches under ``cache``."""
+    environment = {**os.environ, "HF_TPU_CACHE_DIR": os.path.join(cache, "xla"), "HF_HUB_OFFLINE": "1",
+                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torch"), "TORCH_CACHING_PRECOMPILE": "1"}
+    completed = subprocess.run([sys.executable, "-c", _CHILD, *tasks], env=environment, capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    outcome = json.loads(completed.stdout.strip().splitlines()[-1])
+    for result in outcome["results"]:
+        if "tokens" in result:
+            assert result["tokens"] == result["expected"]
+        else:
+            torch.testing.assert_close(torch.tensor(result["logits"]), torch.tensor(result["expected"]),
+                                       rtol=1e-4, atol=1e-4)
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """A cache filled by one process's compiled forward, and what that process computed."""
+    cache = str(tmp_path_factory.mktemp("precompile"))
+    outcome = _run(cache, "8")
+    assert outcome["results"][0]["traced"] == 1 and outcome["loaded"] == 0
+    assert os.listdir(os.path.join(cache, "torch", "dynamo")), "no package was written"
+    return cache, outcome["results"][0]
+
+
+def test_second_process_skips_dynamo_computes_the_same_and_traces_a_new_shape(cold: tuple[str, dict]) -> None:
+    cache, cold_result = cold
+    same, new_shape = _run(cache, "8", "12")["results"]
+    assert same["traced"] == 0
+    assert same["logits"] == cold_result["logits"]
+    assert new_shape["traced"] == 1  # the loaded guards reject the new length; the same module is traced again
+
+
+def test_generate_decode_steps_are_loaded_by_the_next_process(cold: tuple[str, dict]) -> None:
+    cache, _ = cold
+    first = _run(cache, "generate")["results"][0]
+    assert first["traced"] >= 1
+    second = _run(cache, "generate")
+    assert second["results"][0]["traced"] == 0 and second["loaded"] == 1
+    assert second["results"][0]["tokens"] == first["tokens"]
+
+
+def test_kernels_function_modules_are_saved_by_name() -> None:
+    pytest.importorskip("kernels")
+    from transformers.models.llama import modeling_llama
+
+    module_class = type(modeling_llama.apply_rotary_pos_emb)
+    assert isinstance(modeling_llama.apply_rotary_pos_emb, torch.nn.Module)
+    assert "<locals>" not in module_class.__qualname__
+    assert pickle.loads(pickle.dumps(module_class)) is module_class
+
+
+class _Package:
+    def __init__(self, device_type: str) -> None:
+        self.entry = types.SimpleNamespace(device_type=device_type, fn_name="Model.forward")
+        self.source_id = "model-forward"
+
+    def cache_entry(self) -> types.SimpleNamespace:
+        return self.entry
+
+
+def test_tpu_packages_are_written_when_recorded_unless_the_cache_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo import package
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    from hf_tpu.backend import runtime
+
+    writes = []
+    monkeypatch.setattr(PrecompileContext, "record_dynamo_cache_entry", lambda **_: None)
+    monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", lambda: writes.append(1) or {})
+    package.DynamoCache.record_package(_Package("cpu"))
+    assert writes == []
+    package.DynamoCache.record_package(_Package("tpu"))
+    assert writes == [1]
+    monkeypatch.setattr(runtime, "compilation_cache_dir", lambda: None)
+    package.DynamoCache.record_package(_Package("tpu"))
+    assert writes == [1]
+
+
+def test_a_package_that_cannot_be_written_warns_and_the_compile_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo import package
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PrecompileContext, "record_dynamo_cache_entry", lambda **_: None)
+    monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", fail)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        package.DynamoCache.record_package(_Package("tpu"))
+    assert any("could not save Model.forward" in str(warning.message) and "disk full" in str(warning.message)
+               for warning in caught)
