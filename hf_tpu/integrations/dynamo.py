@@ -3,7 +3,7 @@ to keep an HF model's compiled forward across processes, so that a new process s
 
 With that switch on, torch keeps what Dynamo made of a compiled function (its bytecode, guards and the backend's
 AOTAutograd entries) in ``TORCHINDUCTOR_CACHE_DIR/dynamo``, keyed by the function's qualified name and first line,
-and installs it when ``torch.compile`` wraps the same function in a new process. For an HF model it fails three
+and installs it when ``torch.compile`` wraps the same function in a new process. For an HF model it fails four
 ways, each changed here where the failure is (a no-op for everything else), plus when to write:
 
 - **Decorated functions in guards** (``torch/_dynamo/guards.py``, ``GuardsStatePickler.reducer_override``): a
@@ -67,11 +67,16 @@ def _patch(owner: Any, name: str, change: Callable[[Callable], Callable]) -> Non
     setattr(owner, name, patched)
 
 
+def _named(module: Any, qualname: str) -> Any:
+    """What ``qualname`` names in ``module`` (``None`` where a part is missing)."""
+    for part in qualname.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
 def _wrapped(module: str, qualname: str, depth: int) -> Callable:
     """The function ``depth`` steps down the ``__wrapped__`` chain of what ``module.qualname`` names."""
-    function: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        function = getattr(function, part)
+    function = _named(importlib.import_module(module), qualname)
     for _ in range(depth):
         function = function.__wrapped__
     return function
@@ -79,9 +84,7 @@ def _wrapped(module: str, qualname: str, depth: int) -> Callable:
 
 def _depth_below_its_name(function: types.FunctionType) -> int | None:
     """How many ``__wrapped__`` steps lead from what ``function``'s module and qualified name find to it."""
-    found: Any = sys.modules.get(function.__module__)
-    for part in function.__qualname__.split("."):
-        found = getattr(found, part, None)
+    found = _named(sys.modules.get(function.__module__), function.__qualname__)
     for depth in range(8):
         if found is function:
             return depth
