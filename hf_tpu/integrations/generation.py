@@ -19,8 +19,17 @@ transformers 5.24+): the flag and the tokens are copied into pinned host memory 
 queues step n+1 while the device computes step n, instead of waiting for every token. A stop found late costs
 one extra step, which transformers undoes (tokens, scores and the cache's length); results do not change.
 
-Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate`` and
-``DeferredStopCheck`` (``is_supported``, ``__init__``) of ``transformers/generation/utils.py`` and
+Each decode step's attention mask is built inside the compiled step on tpu. For a compilable cache, transformers
+builds the 4D mask before every step, outside the compiled forward, from the 2D mask and the cache's sizes
+(``create_masks_for_generate``): some 40 eager ops per token (``arange``, comparisons, ``expand``), most of a decode
+step's host time on tpu. When every layer of the cache is a full-attention static layer, whose mask size is the
+fixed cache length, the step gets the 2D mask padded to that length instead (zeros, as transformers pads it), and
+the model's forward builds the same 4D mask from it inside the compiled graph, where it costs nothing per token.
+Sliding-window layers size their masks from a Python count that changes every step, so their masks stay outside.
+
+Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
+``DeferredStopCheck`` (``is_supported``, ``__init__``) and the ``create_masks_for_generate`` that
+``prepare_inputs_for_generation`` calls, of ``transformers/generation/utils.py``, and
 ``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py`` (transformers 5.x).
 """
 
@@ -143,12 +152,52 @@ def _install_deferred_stop_check(check: type) -> None:
     check.__init__ = init
 
 
+def _fixed_mask_length(cache: Any) -> int | None:
+    """The key/value length of every layer's mask when each is a full-attention static layer (whose mask sizes
+    are constants); ``None`` for any other cache."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(_static_cache(cache), "layers", None)
+    if not layers or any(type(layer).get_mask_sizes is not StaticLayer.get_mask_sizes for layer in layers):
+        return None
+    return max(layer.max_cache_len for layer in layers)
+
+
+def _install_in_graph_decode_mask(module: Any) -> None:
+    upstream = module.create_masks_for_generate
+    if getattr(upstream, "_hf_tpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def create_masks_for_generate(config: Any, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                                  cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """On tpu, for a cache of full-attention static layers, the 2D mask padded to the cache length (or no
+        mask), from which the model's forward builds the 4D mask in its compiled graph; else transformers'."""
+        if (
+            inputs_embeds.device.type == "tpu"
+            and not args
+            and all(kwargs.get(name) is None for name in ("or_mask_function", "and_mask_function", "block_sequence_ids"))
+            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2))
+        ):
+            length = _fixed_mask_length(cache)
+            if length is not None and (attention_mask is None or attention_mask.shape[-1] <= length):
+                if attention_mask is None:
+                    return None
+                return torch.nn.functional.pad(attention_mask, (0, length - attention_mask.shape[-1]))
+        return upstream(config, inputs_embeds, attention_mask, cache, *args, **kwargs)
+
+    create_masks_for_generate._hf_tpu = True
+    module.create_masks_for_generate = create_masks_for_generate
+
+
 def install(module: Any) -> None:
-    """Wraps ``_prepare_cache_for_generation``, ``generate`` and ``DeferredStopCheck`` of
-    ``transformers.generation.utils`` and the static cache's ``lazy_initialization``."""
+    """Wraps ``_prepare_cache_for_generation``, ``generate``, ``DeferredStopCheck`` and ``create_masks_for_generate``
+    of ``transformers.generation.utils`` and the static cache's ``lazy_initialization``."""
     when_imported("transformers.cache_utils", _install_sharded_static_cache)
     if hasattr(module, "DeferredStopCheck"):
         _install_deferred_stop_check(module.DeferredStopCheck)
+    if hasattr(module, "create_masks_for_generate"):
+        _install_in_graph_decode_mask(module)
     mixin = module.GenerationMixin
     prepare = mixin._prepare_cache_for_generation
     generate = mixin.generate

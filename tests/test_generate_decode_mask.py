@@ -1,0 +1,77 @@
+"""generate() with a static cache on tpu builds each decode step's attention mask inside the compiled step
+(hf_tpu/integrations/generation.py), not with eager ops before it, and returns CPU's tokens, with and without
+padding in the prompt."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import transformers
+from conftest import tiny_llama, to_tpu
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+NEW_TOKENS = 6
+
+
+def _eager_mask_builds(monkeypatch) -> list[int]:
+    """Counts 4D masks built outside a compiled graph (each is a few dozen eager ops on tpu)."""
+    builds = []
+    build = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def counted(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            builds.append(1)
+        return build(*args, **kwargs)
+
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", counted)
+    return builds
+
+
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts, the second left-padded by three tokens."""
+    prompt = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = 0, 0
+    return prompt, mask
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
+def test_decode_steps_build_their_mask_in_the_compiled_step(monkeypatch, padded):
+    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
+    cpu_model.generation_config.pad_token_id = 0
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    if padded:
+        prompt, mask = _padded_batch()
+        inputs, tpu_inputs = dict(attention_mask=mask), dict(attention_mask=to_tpu(mask))
+    else:
+        prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+        inputs, tpu_inputs = {}, {}
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = cpu_model.generate(prompt, **inputs, **options)
+    builds = _eager_mask_builds(monkeypatch)
+    result = tpu_model.generate(to_tpu(prompt), **tpu_inputs, cache_implementation="static", **options)
+    assert result.cpu().tolist() == expected.tolist()
+    assert len(builds) == 1  # the prefill's, in its eager forward; none per decode step
+
+
+def test_a_sliding_window_cache_keeps_transformers_masks(monkeypatch):
+    """A sliding layer's mask size follows a Python count that changes every step: built outside, as upstream."""
+    config = transformers.MistralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, sliding_window=4,
+    )
+    torch.manual_seed(0)
+    cpu_model = transformers.MistralForCausalLM(config).eval()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = cpu_model.generate(prompt, **options)
+    builds = _eager_mask_builds(monkeypatch)
+    result = tpu_model.generate(to_tpu(prompt), cache_implementation="static", **options)
+    assert result.cpu().tolist() == expected.tolist()
+    assert len(builds) >= NEW_TOKENS
