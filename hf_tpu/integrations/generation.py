@@ -163,6 +163,10 @@ def _fixed_mask_length(cache: Any) -> int | None:
     return max(layer.max_cache_len for layer in layers)
 
 
+# what create_masks_for_generate lays over the causal mask, which the forward may not be given the same way
+_MASK_OVERLAYS = ("or_mask_function", "and_mask_function", "block_sequence_ids")
+
+
 def _install_in_graph_decode_mask(module: Any) -> None:
     upstream = module.create_masks_for_generate
     if getattr(upstream, "_hf_tpu", False):
@@ -173,16 +177,13 @@ def _install_in_graph_decode_mask(module: Any) -> None:
                                   cache: Any = None, *args: Any, **kwargs: Any) -> Any:
         """On tpu, for a cache of full-attention static layers, the 2D mask padded to the cache length (or no
         mask), from which the model's forward builds the 4D mask in its compiled graph; else transformers'."""
-        if (
-            inputs_embeds.device.type == "tpu"
-            and not args
-            and all(kwargs.get(name) is None for name in ("or_mask_function", "and_mask_function", "block_sequence_ids"))
-            and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2))
-        ):
+        plain = not args and all(kwargs.get(name) is None for name in _MASK_OVERLAYS)
+        two_dims = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2)
+        if inputs_embeds.device.type == "tpu" and plain and two_dims:
             length = _fixed_mask_length(cache)
-            if length is not None and (attention_mask is None or attention_mask.shape[-1] <= length):
-                if attention_mask is None:
-                    return None
+            if length is not None and attention_mask is None:
+                return None
+            if length is not None and attention_mask.shape[-1] <= length:
                 return torch.nn.functional.pad(attention_mask, (0, length - attention_mask.shape[-1]))
         return upstream(config, inputs_embeds, attention_mask, cache, *args, **kwargs)
 
