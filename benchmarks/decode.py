@@ -4,7 +4,7 @@ paths and a hand-written pure-JAX decoder, in one process.
 LlamaForCausalLM (hidden 512, 4 layers, 8 heads, 2 kv heads, intermediate 1376, vocab 8192, float32),
 built from a config (random weights, no downloads); a 32-token prompt and 64 new tokens, greedy.
 Each variant is warmed up once (compiling what it compiles), then timed as the best of
-``--repeats`` runs (the pure-JAX and tpu runs alternated, so that their ratio sees one load); tokens/s
+``--repeats`` runs (the pure-JAX and tpu runs alternated, so that their ratios see one load); tokens/s
 counts the 64 new tokens over the whole ``generate`` call (prefill included). Variants:
 
 - ``torch cpu eager``: ``generate`` with the default (dynamic) cache;
@@ -13,7 +13,11 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
 - ``pure jax``: the same weights in a hand-written JAX decoder (layers under ``lax.scan``, donated
   cache, one jitted prefill and one jitted decode step), the bar our lowering should reach;
 - ``tpu``: the model on the tpu device, ``cache_implementation="static"`` (decode steps compiled
-  by generate through the ``"tpu"`` backend).
+  by generate through the ``"tpu"`` backend), generate's own eager ops in strict mode;
+- ``tpu fused``: the same in fused eager mode (``torch.tpu.set_eager_mode("fused")``).
+
+A tpu run's clock stops once all the work it queued is done (``torch.tpu.synchronize()``), so that none of it
+runs into the next variant's time.
 
 After the table, the main thread's CPU time per new token of the pure-JAX and tpu runs: the host's own work
 per token, which the device hides here (XLA's CPU code takes longer per step) but which bounds tokens/s on
@@ -77,21 +81,37 @@ def host_milliseconds_per_token(run) -> float:
     return (time.thread_time() - start) * 1e3 / NEW_TOKENS
 
 
-def timed_together(first, second, repeats: int) -> tuple[tuple[float, list[int]], tuple[float, list[int]]]:
-    """:func:`timed` for two runs, alternated (after one warm-up call of each)."""
-    results = [[float("inf"), run()] for run in (first, second)]
+def timed_together(runs: dict, repeats: int) -> dict[str, tuple[float, list[int]]]:
+    """:func:`timed` for several runs, alternated (after one warm-up call of each)."""
+    results = {name: [float("inf"), run()] for name, run in runs.items()}
     for _ in range(repeats):
-        for result, run in zip(results, (first, second)):
+        for name, run in runs.items():
             start = time.perf_counter()
-            result[1] = run()
-            result[0] = min(result[0], time.perf_counter() - start)
-    return tuple(results[0]), tuple(results[1])
+            results[name][1] = run()
+            results[name][0] = min(results[name][0], time.perf_counter() - start)
+    return {name: tuple(result) for name, result in results.items()}
+
+
+def in_eager_mode(mode: str, run):
+    """``run`` with tpu eager ops in ``mode`` (strict or fused), the mode set back after it."""
+
+    def run_in_mode():
+        torch.tpu.set_eager_mode(mode)
+        try:
+            return run()
+        finally:
+            torch.tpu.set_eager_mode("strict")
+
+    return run_in_mode
 
 
 def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
     with torch.no_grad():
         output = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **options)
-    return output[0, prompt.shape[1]:].cpu().tolist()
+    tokens = output[0, prompt.shape[1]:].cpu().tolist()
+    if prompt.device.type == "tpu":  # all the work generate queued is done before the clock stops (or JAX's run starts)
+        torch.tpu.synchronize()
+    return tokens
 
 
 # --- the pure-JAX reference decoder ----------------------------------------------------------------
@@ -247,8 +267,10 @@ def main() -> None:
     # alternated, so that both see the same load on a shared machine: their ratio is the figure that matters
     run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
-    results["pure jax"], results["tpu"] = timed_together(run_jax, run_tpu, args.repeats)
-    host = {"pure jax": host_milliseconds_per_token(run_jax), "tpu": host_milliseconds_per_token(run_tpu)}
+    alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),
+                  "tpu fused": in_eager_mode("fused", run_tpu)}
+    results.update(timed_together(alternated, args.repeats))
+    host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
 
     reference_tokens = results["torch cpu eager"][1]
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
@@ -259,10 +281,12 @@ def main() -> None:
     for name, (seconds, tokens) in results.items():
         rate = NEW_TOKENS / seconds
         print(f"{name:<20} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference_tokens):>26}")
-    tpu_rate = NEW_TOKENS / results["tpu"][0]
-    print(f"\ntpu / best torch cpu path: {tpu_rate / best_cpu:.2f}x; "
-          f"tpu / pure jax: {tpu_rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
-    print(f"host CPU per new token (main thread): tpu {host['tpu']:.2f} ms, pure jax {host['pure jax']:.2f} ms")
+    print()
+    for name in ("tpu", "tpu fused"):
+        rate = NEW_TOKENS / results[name][0]
+        print(f"{name} / best torch cpu path: {rate / best_cpu:.2f}x; "
+              f"{name} / pure jax: {rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
+    print("host CPU per new token (main thread): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:
         print("\ncProfile of one tpu generate, CPU ms of the main thread per new token (profiling inflates Python):")
