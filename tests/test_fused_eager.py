@@ -336,6 +336,32 @@ def test_the_program_cache_is_bounded(monkeypatch):
     assert fused.stats()["programs"] <= 2
 
 
+def _gathered_chain(n: int, index: int):
+    x = torch.arange(float(n), device="tpu") * 3 + 1
+    return [torch.exp(x) / (1 + x * x), x[torch.tensor([index], device="tpu")]]
+
+
+def test_a_cycle_of_structures_longer_than_the_cache_runs_evicted_ones_op_by_op(monkeypatch):
+    """A generate loop gives each step a new chain structure (its token tensors grow), and the next call the same
+    cycle again: evicted programs are not built again at each run; their chains run op by op, as strict mode."""
+    monkeypatch.setattr(fused, "PROGRAM_CACHE_SIZE", 2)
+    monkeypatch.setattr(fused, "_programs", type(fused._programs)())
+    monkeypatch.setattr(fused, "_built", type(fused._built)())
+    expected = [in_mode("strict", _gathered_chain, n, n - 1) for n in (1, 2, 3)]
+    fused.reset_stats()
+    for _ in range(3):
+        for n, strict in zip((1, 2, 3), expected):
+            assert_bitwise(in_mode("fused", _gathered_chain, n, n - 1), strict)
+    stats = fused.stats()
+    # built once each (the third evicts the first); then the first runs op by op, the others hit
+    assert stats["program_misses"] - stats["op_by_op"] == 3 and stats["op_by_op"] == 2 and stats["program_hits"] == 4
+    with pytest.raises(IndexError) as strict_error:  # an op-by-op chain raises a failed check at the sync
+        in_mode("strict", _gathered_chain, 1, 5)
+    with pytest.raises(IndexError) as fused_error:
+        in_mode("fused", _gathered_chain, 1, 5)
+    assert fused.stats()["op_by_op"] == 3 and str(fused_error.value) == str(strict_error.value)
+
+
 @pytest.mark.parametrize("bound, value, size", [("MAX_OPS", 4, 3), ("MAX_WORK", 100, 30)], ids=["ops", "work"])
 def test_the_chain_is_bounded(monkeypatch, bound, value, size):
     """At most 4 ops pending: 4 ops, or 4 ops of 30 elements (120 >= 100); then, where the loop body starts

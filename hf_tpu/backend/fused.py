@@ -62,7 +62,11 @@ takes 0.7x the time of one chain ending at the sync point, on a 2-core host (ben
 of cheap ops run rarely, each run costing some host time."""
 
 PROGRAM_CACHE_SIZE = 256
-"""How many chain programs are kept, least recently used evicted first."""
+"""How many chain programs are kept, least recently used evicted first. A chain whose program was evicted runs op by
+op from then on (see :func:`_run`)."""
+
+_REMEMBERED = 16 * PROGRAM_CACHE_SIZE
+"""How many chain structures :func:`_run` remembers having built a program for (their hashes)."""
 
 
 class Lazy:
@@ -186,7 +190,7 @@ _lock = threading.RLock()
 _chain = _Chain(None)
 _traces: OrderedDict = OrderedDict()  # (program, input signatures) -> its trace (see _traced)
 _programs: OrderedDict = OrderedDict()  # chain structure -> jitted chain program
-_STATS = ("ops", "flushes", "program_hits", "program_misses")
+_STATS = ("ops", "flushes", "program_hits", "program_misses", "op_by_op")
 _stats = dict.fromkeys(_STATS, 0)
 
 
@@ -202,9 +206,9 @@ def _unchecked(fn: Callable) -> Callable:
 class _Trace:
     """An op's program traced for one input signature: ``jaxpr`` (closed, of the flattened inputs), the structure
     of its result (``None`` for one array), per result leaf (shape, dtype, signature, size), ``check``: whether the
-    last output is a check."""
+    last output is a check; ``alone``: the jaxpr jitted by itself, made when an op of this trace first runs alone."""
 
-    __slots__ = ("jaxpr", "tree", "leaves", "check", "work")
+    __slots__ = ("jaxpr", "tree", "leaves", "check", "work", "alone")
 
 
 def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) -> _Trace:
@@ -222,7 +226,7 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     result, check = traced.out_info if pair else (traced.out_info, None)
     leaves, tree = jax.tree_util.tree_flatten(result)
     found = _Trace()
-    found.jaxpr, found.check = traced.jaxpr, check is not None
+    found.jaxpr, found.check, found.alone = traced.jaxpr, check is not None, None
     found.tree = None if jax.tree_util.treedef_is_leaf(tree) and leaves else tree
     found.leaves = tuple((leaf.shape, leaf.dtype, (leaf.shape, leaf.dtype, leaf.weak_type), int(np.prod(leaf.shape)))
                          for leaf in leaves)
@@ -345,6 +349,10 @@ def _restart(device: int | None) -> _Chain:
 
 
 def _run(chain: _Chain) -> None:
+    """Runs the chain as one program, built the first time its structure runs; a structure whose program was built and
+    evicted since runs op by op instead, each op's own program, as in strict mode. Structures that come back in a cycle
+    longer than the cache (a generate loop whose growing token tensors give every step a new structure) would
+    otherwise build a program at each run."""
     live = [handle for op in chain.ops for ref in op.outputs if (handle := ref()) is not None]
     if not live and not chain.checks:
         _release(chain)
@@ -355,9 +363,16 @@ def _run(chain: _Chain) -> None:
     program = _programs.get(key)
     if program is None:
         _stats["program_misses"] += 1
-        program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots)
-        while len(_programs) > PROGRAM_CACHE_SIZE:
-            _programs.popitem(last=False)
+        if hash(key) in _built:
+            _stats["op_by_op"] += 1
+            program = functools.partial(_op_by_op, chain, live_slots)
+        else:
+            program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots)
+            _built[hash(key)] = None
+            if len(_built) > _REMEMBERED:
+                _built.popitem(last=False)
+            while len(_programs) > PROGRAM_CACHE_SIZE:
+                _programs.popitem(last=False)
     else:
         _stats["program_hits"] += 1
         _programs.move_to_end(key)
@@ -382,6 +397,28 @@ def _run(chain: _Chain) -> None:
         storage.computed(outputs[-1], chain.device)
     if check is not None:
         checks.defer(check, chain.device)
+
+
+_built: OrderedDict = OrderedDict()  # hashes of the chain structures a program was built for, the newest last
+
+
+def _op_by_op(chain: _Chain, live_slots: tuple, *inputs: Any) -> tuple[list, Any]:
+    """The chain's live results and first failed check, each op's trace run as a program of its own (as strict
+    mode runs the op)."""
+    values: dict[int, Any] = dict(zip(chain.input_slots, inputs))
+    found = [check for op in chain.ops if (check := _run_op(op, values)) is not None]
+    return [values[slot] for slot in live_slots], (checks._first_failure(tuple(found)) if found else None)
+
+
+def _run_op(op: _Op, values: dict[int, Any]) -> Any:
+    """Runs one recorded op alone on ``values`` (by slot), which gets its results; returns its check, if any."""
+    trace = op.trace
+    if trace.alone is None:
+        trace.alone = jax.jit(jax.extend.core.jaxpr_as_fun(trace.jaxpr))
+    outputs = trace.alone(*jax.tree_util.tree_leaves(_resolve(op.refs, values)))
+    check = outputs.pop() if trace.check else None
+    values.update(zip(range(op.first, op.first + len(outputs)), outputs))
+    return check
 
 
 def _release(chain: _Chain) -> None:
@@ -445,14 +482,13 @@ def _located(chain: _Chain, error: Exception, values: dict[int, Any]) -> Excepti
     the chain's inputs by slot, which gets the results of the ops before it) and the line that recorded it."""
     for op in chain.ops:
         try:
-            run = jax.jit(jax.extend.core.jaxpr_as_fun(op.trace.jaxpr))
-            outputs = jax.block_until_ready(run(*jax.tree_util.tree_leaves(_resolve(op.refs, values))))
+            check = _run_op(op, values)
+            jax.block_until_ready([check, *(values[slot] for slot in range(op.first, op.first + len(op.trace.leaves)))])
         except Exception as op_error:  # noqa: BLE001 (whatever the op raises is what is reported)
             raise_if_out_of_memory(op_error, chain.device or 0)
             where = "" if op.line is None else f" (recorded at {op.line[0]}:{op.line[1]})"
             return RuntimeError(f"{op.name}{where} failed when its fused eager chain ran: "
                                 f"{type(op_error).__name__}: {op_error}")
-        values.update(zip(range(op.first, op.first + len(op.trace.leaves)), outputs))
     raise_if_out_of_memory(error, chain.device or 0)
     return RuntimeError(f"a fused eager chain of {len(chain.ops)} ops ({', '.join(op.name for op in chain.ops)}) "
                         f"failed, but none of its ops fails alone: {type(error).__name__}: {error}")
@@ -482,7 +518,8 @@ def set_mode(mode: str) -> None:
 def stats() -> dict[str, int]:
     """Fused eager's counters (public: for users, tests and benchmarks), since the start or the last
     :func:`reset_stats`: ``ops`` recorded, chain runs (``flushes``), chain programs found in the cache
-    (``program_hits``) and built (``program_misses``); and now: ``programs`` cached, ``pending`` ops recorded and
+    (``program_hits``) and not (``program_misses``: built, or run op by op, ``op_by_op``, for a structure whose
+    program was evicted); and now: ``programs`` cached, ``pending`` ops recorded and
     not run yet. A loop body recorded again and again settles to hits only."""
     return {**_stats, "programs": len(_programs), "pending": len(_chain.ops)}
 
