@@ -158,7 +158,8 @@ def _fixed_mask_length(cache: Any) -> int | None:
     from transformers.cache_utils import StaticLayer
 
     layers = getattr(_static_cache(cache), "layers", None)
-    if not layers or any(type(layer).get_mask_sizes is not StaticLayer.get_mask_sizes for layer in layers):
+    fixed = StaticLayer.get_mask_sizes
+    if not layers or any(getattr(type(layer), "get_mask_sizes", None) is not fixed for layer in layers):
         return None
     return max(layer.max_cache_len for layer in layers)
 
