@@ -264,7 +264,7 @@ def main() -> None:
     weights = jax_weights(model)
     tpu_model = copy.deepcopy(model).to("tpu")
     tpu_prompt = prompt.to("tpu")
-    # alternated, so that both see the same load on a shared machine: their ratio is the figure that matters
+    # alternated, so that all see the same load on a shared machine: their ratios are the figures that matter
     run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
     alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),

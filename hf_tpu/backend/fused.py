@@ -190,6 +190,7 @@ _lock = threading.RLock()
 _chain = _Chain(None)
 _traces: OrderedDict = OrderedDict()  # (program, input signatures) -> its trace (see _traced)
 _programs: OrderedDict = OrderedDict()  # chain structure -> jitted chain program
+_built: OrderedDict = OrderedDict()  # hashes of the chain structures a program was built for, the newest last
 _STATS = ("ops", "flushes", "program_hits", "program_misses", "op_by_op")
 _stats = dict.fromkeys(_STATS, 0)
 
@@ -349,10 +350,10 @@ def _restart(device: int | None) -> _Chain:
 
 
 def _run(chain: _Chain) -> None:
-    """Runs the chain as one program, built the first time its structure runs; a structure whose program was built and
-    evicted since runs op by op instead, each op's own program, as in strict mode. Structures that come back in a cycle
-    longer than the cache (a generate loop whose growing token tensors give every step a new structure) would
-    otherwise build a program at each run."""
+    """Runs the chain as one program, built the first time its structure runs. A structure whose program was built
+    and evicted since runs op by op instead, each op's recorded trace a program of its own, as strict mode runs it:
+    structures that come back in a cycle longer than the cache (a generate loop whose growing token tensors give
+    every step a new structure) would otherwise build a program at each run."""
     live = [handle for op in chain.ops for ref in op.outputs if (handle := ref()) is not None]
     if not live and not chain.checks:
         _release(chain)
@@ -363,12 +364,13 @@ def _run(chain: _Chain) -> None:
     program = _programs.get(key)
     if program is None:
         _stats["program_misses"] += 1
-        if hash(key) in _built:
+        structure = hash(key)
+        if structure in _built:
             _stats["op_by_op"] += 1
             program = functools.partial(_op_by_op, chain, live_slots)
         else:
             program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots)
-            _built[hash(key)] = None
+            _built[structure] = None
             if len(_built) > _REMEMBERED:
                 _built.popitem(last=False)
             while len(_programs) > PROGRAM_CACHE_SIZE:
@@ -397,9 +399,6 @@ def _run(chain: _Chain) -> None:
         storage.computed(outputs[-1], chain.device)
     if check is not None:
         checks.defer(check, chain.device)
-
-
-_built: OrderedDict = OrderedDict()  # hashes of the chain structures a program was built for, the newest last
 
 
 def _op_by_op(chain: _Chain, live_slots: tuple, *inputs: Any) -> tuple[list, Any]:
