@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama, to_tpu
-from hf_tpu.compile import compile_stats, graph_lowering
+from hf_tpu.compile import compile_stats, fast_call, graph_lowering
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -39,6 +39,31 @@ def test_a_step_called_again_with_the_same_cache_and_weights_takes_the_cheap_pat
     stats = compile_stats()
     assert stats["compilations"] == 1 and stats["calls"] == 6
     assert stats["fast_calls"] == 5  # every call after the first
+
+
+def test_a_new_cache_passed_at_every_step_is_read_in_full_only_at_its_first_step(monkeypatch):
+    full_reads = []
+    read_new = fast_call.CallPlan._read_new
+
+    def spy(plan, tensor, record):
+        full_reads.append(tuple(tensor.shape))
+        return read_new(plan, tensor, record)
+
+    monkeypatch.setattr(fast_call.CallPlan, "_read_new", spy)
+    torch.manual_seed(0)
+    cpu_weight = torch.randn(8, 4)
+    weight = to_tpu(cpu_weight)
+    compiled = torch.compile(_step, backend="tpu", fullgraph=True)
+    for _ in range(2):  # two generates, each with a cache of its own
+        cpu_cache = torch.zeros(6, 4)
+        cache = to_tpu(cpu_cache)
+        for step in range(4):
+            x, position = _inputs(step)
+            result = compiled(cache, weight, to_tpu(x), to_tpu(position))
+            torch.testing.assert_close(result.cpu(), _step(cpu_cache, cpu_weight, x, position))
+        torch.testing.assert_close(cache.cpu(), cpu_cache)
+    assert compile_stats()["fast_calls"] == 7
+    assert full_reads.count((6, 4)) == 1  # the second cache at its first step; then it is the record
 
 
 def _lowered_graph(monkeypatch, fn, *args) -> graph_lowering.CompiledGraph:

@@ -6,8 +6,9 @@ array read from it (all weakly: the plan keeps nothing alive and does not hold a
 key of the executable the call ran. The next call checks each input against its record: an input that is
 the same whole tensor on the same buffer holding the same array is used as is, with no further checks; a
 new array on that buffer (a cache written by the last step) or a new tensor is read as usual and must
-have the recorded shape, dtype and single-chip placement. When every input passes, the call runs the
-same executable; when any does not, ``read`` returns ``None`` and the caller takes its full path.
+have the recorded shape, dtype and single-chip placement; a new tensor that passes becomes the record (the
+next generate's cache is passed at every step of it). When every input passes, the call runs the same
+executable; when any does not, ``read`` returns ``None`` and the caller takes its full path.
 """
 
 from __future__ import annotations
@@ -87,12 +88,14 @@ class CallPlan:
         if static_values != self.static_values or checks.MODE != self.mode or len(tensors) != len(self.inputs):
             return None
         arrays = []
-        for tensor, record in zip(tensors, self.inputs):
+        for position, (tensor, record) in enumerate(zip(tensors, self.inputs)):
             array = record.same_array(tensor)
             if array is None:
                 array = self._read_new(tensor, record)
                 if array is None:
                     return None
+                # the next call likely passes this tensor again (a new generate's cache): check it cheaply then
+                self.inputs[position] = _Input(tensor, array)
             arrays.append(array)
         return arrays
 
