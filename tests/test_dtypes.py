@@ -118,3 +118,25 @@ def test_float64_default_dtype_factories_keep_float64():
         assert torch.tensor([0.1], device="tpu").dtype == torch.float64
     finally:
         torch.set_default_dtype(previous)
+
+
+def test_factories_with_a_64_bit_dtype_take_their_scalars_in_64_bits():
+    if runtime.backing_platform() == "tpu":
+        pytest.skip("float64 policy: TPUs emulate float64 in software or reject it (see dtypes.py)")
+    for make in (lambda **device: torch.full((3,), 0.1, dtype=torch.float64, **device),
+                 lambda **device: torch.linspace(0, 0.1, 5, dtype=torch.float64, **device),
+                 lambda **device: torch.full((2,), 1 / 3 + 1j, dtype=torch.complex128, **device)):
+        assert_same(make(device="tpu"), make(), rtol=0, atol=0)
+
+
+def test_full_infers_torchs_dtype_from_its_fill_value():
+    for value in (True, 7, 2**40, -1.5, 1 + 2j):
+        for dtype in (None, torch.int32, torch.bfloat16, torch.bool, torch.complex64):
+            if isinstance(value, complex) and dtype in (torch.int32, torch.bfloat16, torch.bool):
+                continue  # the CPU refuses these
+            if value == 2**40 and dtype in (torch.int32, torch.bfloat16):
+                continue
+            expected = torch.full((2, 3), value, dtype=dtype)
+            result = torch.full((2, 3), value, dtype=dtype, device="tpu")
+            assert result.dtype == expected.dtype
+            assert_same(result, expected, rtol=0, atol=0)

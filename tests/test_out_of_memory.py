@@ -95,6 +95,16 @@ def test_sizes_overflowing_int64_raise_cpus_error():
             torch.zeros(2**63 - 1, device=device)
 
 
+def test_factories_too_large_for_any_chip_raise_before_xla_compiles_them():
+    with pytest.raises(RuntimeError, match=r"Storage size calculation overflowed with sizes=\[4611686018427387904\]"):
+        torch.arange(2**62, device="tpu")  # XLA aborts the process on a size whose bytes overflow int64
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 16\.00 PiB"):
+        torch.zeros(2**52, device="tpu")
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 1\.00 EiB"):
+        torch.ones(4, device="tpu").expand(2**56, 4).contiguous()
+    assert torch.full((2,), 3.0, device="tpu").sum().item() == 6.0
+
+
 def test_requests_larger_than_any_device_are_refused_without_using_up_the_address_space():
     for _ in range(100):  # each would take 2^62 bytes of the fake address space if it were granted
         with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4\.00 EiB"):

@@ -328,6 +328,11 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     static_indices = [index for _, index in static_slots]
     destinations = [i for i in range(len(arguments)) if written[i]]
     device_arg = names.index("device") if "device" in names else None
+    dtype_arg = names.index("dtype") if "dtype" in names else None
+
+    def wide_scalars(dynamic: list, bound: list) -> bool:
+        return dtypes.needs_wide_scalars(dynamic, None if dtype_arg is None else bound[dtype_arg])
+
     returns = list(schema.returns)
     returns_written = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
     returns_list = bool(returns) and str(returns[0].type).startswith("List")
@@ -363,6 +368,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 call[slot] = value
             with checks.collecting() as collected:
                 result = lowering_fn(*call, **layout)
+            storage.check_result_sizes(result)
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
         # keep_unused: unused inputs still pin the chip
@@ -388,7 +394,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     dynamic.append(reader.read(value, (len(dynamic), -1)))
             wide = None
             if reader.numbers:  # passed as weakly-typed scalars of the op's width (see dtypes.scalar_operand)
-                wide = dtypes.needs_wide_scalars(dynamic)
+                wide = wide_scalars(dynamic, bound)
                 for slot in reader.numbers:
                     dynamic[slot] = _scalar_array(dynamic[slot], wide)
             defaulted = [] if scalar_slots else ()
@@ -401,7 +407,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                         value = reader.read(value, (len(dynamic), -1))
                     elif value is not None:
                         if wide is None:
-                            wide = dtypes.needs_wide_scalars(dynamic)
+                            wide = wide_scalars(dynamic, bound)
                         if isinstance(value, (list, tuple)):
                             value = tuple(_scalar_array(v, wide) for v in value)
                         else:

@@ -114,10 +114,11 @@ def _python_scalar_dtype(value: Any) -> torch.dtype:
 _WIDE = ("float64", "complex128")
 
 
-def needs_wide_scalars(operands: Any) -> bool:
+def needs_wide_scalars(operands: Any, result_dtype: torch.dtype | None = None) -> bool:
     """Whether Python float/complex scalars of an op must be passed in 64 bits: when the op computes
-    in 64 bits (a float64/complex128 operand, or float64 as torch's default dtype)."""
-    if torch.get_default_dtype() == torch.float64:
+    in 64 bits (a float64/complex128 operand, float64 as torch's default dtype, or a 64-bit ``dtype``
+    argument: ``torch.full(size, 0.1, dtype=torch.float64)`` has no operand)."""
+    if torch.get_default_dtype() == torch.float64 or result_dtype in (torch.float64, torch.complex128):
         return True
     for operand in operands:
         items = operand if isinstance(operand, tuple) else (operand,)

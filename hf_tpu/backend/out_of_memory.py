@@ -47,8 +47,17 @@ def requested_bytes(message: str) -> int | None:
     return None
 
 
+class TooLarge(RuntimeError):
+    """A result larger than any chip holds, refused while its op is traced (before XLA tries)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"RESOURCE_EXHAUSTED: Out of memory allocating {nbytes} bytes.")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """XLA's RESOURCE_EXHAUSTED, or an asynchronous program's failed allocation found later."""
+    if isinstance(error, TooLarge):
+        return True
     if not isinstance(error, _jax_runtime_error()):
         return False
     message = str(error)

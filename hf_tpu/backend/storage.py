@@ -318,9 +318,27 @@ def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torc
         stride, numel = None, math.prod(shape)
     else:
         numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-    if numel * dtype.itemsize >= 1 << 63:
-        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(shape)}")
+    _check_bytes(numel * dtype.itemsize, shape)
     return _new_tensor(Buffer(None, dtype, numel, device_index), shape, stride)
+
+
+def _check_bytes(nbytes: int, shape: tuple) -> None:
+    if nbytes >= 1 << 63:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={list(shape)}")
+
+
+def check_result_sizes(result: Any) -> None:
+    """Refuses, while an op is traced, results no chip could hold, before XLA compiles the op (it aborts the
+    process on a size whose bytes overflow int64): the CPU's error for those, and for more than any chip holds
+    :class:`~.out_of_memory.TooLarge`, which the kernel raises as ``torch.OutOfMemoryError``."""
+    for leaf in jax.tree_util.tree_leaves(result):
+        if hasattr(leaf, "shape"):
+            nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
+            _check_bytes(nbytes, leaf.shape)
+            if nbytes > allocator.LARGEST_ALLOCATION:
+                from .out_of_memory import TooLarge
+
+                raise TooLarge(nbytes)
 
 
 # Address -> buffer, for storages torch re-creates around an existing address (e.g. when

@@ -90,12 +90,13 @@ class _Step:
     ``static`` names the parameters the lowering takes as Python values; ``None`` means all of them.
     """
 
-    __slots__ = ("node", "fn", "arguments", "scalar_slots", "layout")
+    __slots__ = ("node", "fn", "arguments", "scalar_slots", "dtype_slot", "layout")
 
     def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None, sees_layout: bool = False) -> None:
         bound = _bound_arguments(node)
         self.node, self.fn = node, fn
         self.arguments = [value for _, value in bound]
+        self.dtype_slot = next((slot for slot, (argument, _) in enumerate(bound) if argument.name == "dtype"), None)
         self.scalar_slots = [] if static is None else [
             slot for slot, (argument, value) in enumerate(bound) if _is_traced_scalar(argument, value, static)
         ]
@@ -104,7 +105,7 @@ class _Step:
     def run(self, env: dict) -> Any:
         call = [_materialize(value, env) for value in self.arguments]
         if self.scalar_slots:
-            wide = dtypes.needs_wide_scalars(call)
+            wide = dtypes.needs_wide_scalars(call, None if self.dtype_slot is None else call[self.dtype_slot])
             for slot in self.scalar_slots:
                 value = call[slot]
                 call[slot] = (tuple(dtypes.scalar_operand(v, wide) for v in value) if isinstance(value, tuple)

@@ -161,35 +161,19 @@ def copy(self, src, non_blocking=False):
 # --- factories ------------------------------------------------------------------------------------
 
 
-def _factory_dtype(dtype, fill_value=0.0):
-    if dtype is not None:
-        return dtypes.to_jax(dtype)
-    if isinstance(fill_value, bool):
-        return dtypes.to_jax(torch.bool)
-    if isinstance(fill_value, int):
-        return dtypes.to_jax(torch.int64)
-    return dtypes.to_jax(torch.get_default_dtype())
+def _factory_dtype(dtype):
+    return dtypes.to_jax(dtype or torch.get_default_dtype())
 
 
-@graph_lowering("full")
-def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.full(tuple(size), fill_value, _factory_dtype(dtype, fill_value))
-
-
-@graph_lowering("zeros", "empty.memory_format")
-def zeros(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+@graph_lowering("empty.memory_format")
+def empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    """Graph values have no strides (nor physical layouts): an empty tensor is zeros of its size."""
     return jnp.zeros(tuple(size), _factory_dtype(dtype))
 
 
 @graph_lowering("empty_strided", "empty_permuted")
 def empty_strided(size, stride_or_layout, dtype=None, layout=None, device=None, pin_memory=None):
-    """Graph values have no strides (nor physical layouts): an empty tensor is zeros of its size."""
-    return zeros(size, dtype)
-
-
-@graph_lowering("ones")
-def ones(size, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.ones(tuple(size), _factory_dtype(dtype))
+    return empty(size, dtype)
 
 
 @graph_lowering("scalar_tensor")

@@ -1,8 +1,10 @@
 """Factory ops: arange, linspace, eye, zero tensors.
 
 ``arange``'s bounds decide its length, so they are static (one compilation per distinct range);
-``linspace``/``logspace``'s end points are traced, their number of steps static. ``full``, ``zeros``, ``ones``,
-``scalar_tensor`` and the ``*_like`` factories are torch composites over ``empty`` and ``fill_``.
+``linspace``/``logspace``'s end points are traced, their number of steps static. ``full``, ``zeros`` and ``ones``
+make their result in one program (torch's composite, ``empty`` then ``fill_``, would run two: the fill reads the
+never-written ``empty``). ``scalar_tensor`` and the ``*_like`` factories are torch's composites over ``empty_like``
+and ``fill_`` (a sharded tensor's ``zeros_like`` keeps its sharding that way).
 """
 
 from __future__ import annotations
@@ -50,6 +52,32 @@ def _float_accumulator(dtype: torch.dtype):
     last bit; integral starts and steps are exact below 2**24.
     """
     return jnp.dtype("float64") if dtype in (torch.float64, torch.complex128) else jnp.dtype("float32")
+
+
+def _fill_dtype(dtype, fill_value):
+    """``full``'s dtype: ``dtype``, else what torch infers from the fill value's kind (bool, int64, the default
+    float dtype or its complex twin)."""
+    if dtype is not None:
+        return dtypes.to_jax(dtype)
+    default = torch.get_default_dtype()
+    kind = jnp.result_type(fill_value).kind
+    return dtypes.to_jax({"b": torch.bool, "f": default, "c": default.to_complex()}.get(kind, torch.int64))
+
+
+@lowering("full")
+def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    """``fill_value`` cast to the dtype (as ``fill_`` casts it) in every element."""
+    return jnp.full(tuple(size), fill_value, _fill_dtype(dtype, fill_value))
+
+
+@lowering("zeros")
+def zeros(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), dtypes.to_jax(dtype or torch.get_default_dtype()))
+
+
+@lowering("ones")
+def ones(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.ones(tuple(size), dtypes.to_jax(dtype or torch.get_default_dtype()))
 
 
 @lowering("arange.start_step", static=("start", "end", "step"))
