@@ -255,3 +255,43 @@ def test_lazily_conjugated_and_negated_views_read_and_write_as_on_cpu():
         return read + (tensor,)
 
     check_against_cpu(lambda tensor: touch(tensor.clone()), values)
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS))
+def test_clone_of_a_view_has_cpus_strides_and_its_own_storage(name):
+    def clone_then_write(device: str) -> tuple[list, list]:
+        base = _fresh_base(device)
+        copies = [VIEWS[name](base).clone(), VIEWS[name](base).clone(memory_format=torch.contiguous_format)]
+        base.mul_(-1)  # a write to the source after the clone ...
+        copies[0].add_(1)  # ... and to the clone: neither sees the other
+        return [t.cpu() for t in [base] + copies], [c.stride() for c in copies]
+
+    values, strides = clone_then_write("tpu")
+    expected_values, expected_strides = clone_then_write("cpu")
+    assert strides == expected_strides
+    for value, expected in zip(values, expected_values):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)
+
+
+LAYOUTS = {
+    "permuted_slice": lambda t: t.permute(0, 2, 3, 1)[:, 1:3],
+    "expanded_steps": lambda t: t.expand(3, 2, 3, 4, 5)[:, :, ::2],
+    "transposed_steps": lambda t: t.transpose(1, 3)[:, ::2],
+    "channels_last_slice": lambda t: t.contiguous(memory_format=torch.channels_last)[:, :, 1:3],
+    "expanded_transposed": lambda t: t[:, :, :, None].expand(2, 3, 4, 3, 5).transpose(0, 4),
+    "reversed_slices": lambda t: t.permute(3, 2, 1, 0)[::2, :, :1],
+    "size_one_transposed": lambda t: t[0, 0, :, :1].t(),
+    "empty_transposed": lambda t: t[:, :0].transpose(0, 1),
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_copies_of_strided_tensors_take_cpus_strides(name):
+    """``clone``, ``empty_like`` and ``to`` keep the source's layout as CPU does: its strides when it is dense,
+    else dense strides in its order of dims."""
+    base = torch.arange(120.0).reshape(2, 3, 4, 5)
+    cpu, tpu = LAYOUTS[name](base), LAYOUTS[name](base.to("tpu"))
+    for copy in (torch.clone, torch.empty_like, lambda t: t.to(torch.float64)):
+        assert copy(tpu).stride() == copy(cpu).stride()
+    torch.testing.assert_close(tpu.clone().cpu(), cpu.clone(), rtol=0, atol=0)

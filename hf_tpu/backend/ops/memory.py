@@ -221,13 +221,20 @@ def _warn_if_discarding_imaginary(source: torch.dtype, destination: torch.dtype)
 
 
 def _layout_for(tensor: torch.Tensor, memory_format: Any) -> tuple | None:
-    """The strides of ``tensor.to(..., memory_format=...)``'s result, as on CPU; None for contiguous."""
+    """The strides of ``tensor.to(..., memory_format=...)``'s result, as on CPU (``empty_like``'s rule); None for
+    contiguous."""
     if memory_format in (None, torch.preserve_format):
-        if tensor.is_contiguous():
+        stride, contiguous = tuple(tensor.stride()), torch._prims_common.make_contiguous_strides_for(tensor.shape)
+        if stride == contiguous:
             return None
-        if torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
-            return tuple(tensor.stride())
-        memory_format = torch._prims_common.suggest_memory_format(tensor)  # e.g. a slice of a channels-last tensor
+        if not torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
+            # dense strides in the order of the tensor's own (a slice of a transposed or channels-last tensor)
+            order, _ = torch._prims_common.compute_elementwise_output_logical_to_physical_perm(tensor)
+            dense, step = [0] * tensor.dim(), 1
+            for dim in reversed(order):
+                dense[dim], step = step, step * max(tensor.shape[dim], 1)
+            stride = tuple(dense)
+        return None if stride == contiguous else stride
     strides = _CHANNELS_LAST_STRIDES.get(memory_format)
     return None if strides is None else strides(tensor.shape)
 
@@ -281,6 +288,13 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     if target.type != "cpu":
         return host.to(target)
     return host.pin_memory() if pin_memory else host
+
+
+@kernel("clone")
+def clone(self, memory_format=None):
+    """``_to_copy`` to the same device and dtype: a new storage holding the source's values, with the strides CPU's
+    ``clone`` gives (torch's composite, ``empty_like`` then ``copy_``, makes the storage first and writes it after)."""
+    return _to_copy(self, memory_format=memory_format)
 
 
 _astype_cache: dict[Any, Any] = {}
