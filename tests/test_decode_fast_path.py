@@ -111,6 +111,21 @@ def test_inputs_unlike_the_last_call_take_the_full_path_and_give_the_same_result
     assert compile_stats()["compilations"] == compilations + 1  # another shape: a program of its own
 
 
+def test_mutated_inputs_are_written_whole_or_through_their_view_on_the_cheap_path():
+    compiled = torch.compile(_scale_into, backend="tpu", fullgraph=True)
+    whole, whole_mirror = torch.zeros(2, 4, device="tpu"), torch.zeros(2, 4)
+    base, base_mirror = torch.zeros(3, 4, device="tpu"), torch.zeros(3, 4)
+    for target, mirror in ((lambda: whole, whole_mirror), (lambda: base[1:], base_mirror[1:])):  # a new view each call
+        for step in range(3):
+            x = torch.full((2, 4), float(step + 1))
+            result = compiled(target(), x.to("tpu"))
+            torch.testing.assert_close(result.cpu(), _scale_into(mirror, x), rtol=0, atol=0)
+    torch.testing.assert_close(whole.cpu(), whole_mirror, rtol=0, atol=0)
+    torch.testing.assert_close(base.cpu(), base_mirror, rtol=0, atol=0)
+    # the second and third call of each: the view's first call takes the full path (a view is not donated)
+    assert compile_stats()["fast_calls"] == 4
+
+
 def test_a_held_array_is_not_donated_on_the_cheap_path():
     compiled = torch.compile(_scale_into, backend="tpu", fullgraph=True)
     buffer, x = torch.zeros(8, device="tpu"), torch.ones(8, device="tpu")

@@ -99,6 +99,17 @@ class CallPlan:
             arrays.append(array)
         return arrays
 
+    def write(self, tensors: list[torch.Tensor], positions: list[int], values: tuple) -> None:
+        """Writes the new values of the mutated inputs at ``positions`` of a call whose inputs :meth:`read`
+        matched: straight into the buffer of an input that is its storage's whole array (the read checked it, and
+        the program returns the input's shape and dtype), else through ``storage.write``."""
+        for position, value in zip(positions, values):
+            buffer = self.inputs[position].buffer
+            if buffer is None:
+                storage.write(tensors[position], value)
+            else:
+                buffer().set(value)
+
     def _read_new(self, tensor: torch.Tensor, record: _Input) -> Any:
         """A tensor the plan has not seen, read as the full path reads it, if it fits the record."""
         try:

@@ -379,8 +379,11 @@ class CompiledGraph:
         if check is not None:
             dispatch.defer_check(check, device_index)
         del arrays
-        for position, value in zip(self._mutated_inputs, written):
-            storage.write(tensors[position], value)
+        if fast:
+            plan.write(tensors, self._mutated_inputs, written)
+        else:
+            for position, value in zip(self._mutated_inputs, written):
+                storage.write(tensors[position], value)
         if not tensors and not self._constants:  # factories only: results go to the chip, not JAX's default
             outputs = jax.device_put(outputs, runtime.device(device_index))
         results = iter(zip(outputs, self._tensor_outputs, self._layouts))
