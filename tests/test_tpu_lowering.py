@@ -70,7 +70,7 @@ def test_raise_mode_passes_float32_models_and_stops_float64_and_cpu_only_ops():
     )
     assert done.returncode == 0, done.stderr
     assert "eager True" in done.stdout and "compiled torch.Size([2, 8])" in done.stdout
-    assert "float64 refused: zeros: this program does not lower for TPU chips: uses 64-bit floating point" \
+    assert "float64 refused: aten::ones: this program does not lower for TPU chips: uses 64-bit floating point" \
         in done.stdout
     assert "eig refused: aten::_linalg_eigvals: this program does not lower for TPU chips" in done.stdout
 
