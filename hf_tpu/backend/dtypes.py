@@ -101,12 +101,15 @@ def _combine(higher: torch.dtype | None, lower: torch.dtype | None) -> torch.dty
     return higher
 
 
-def _python_scalar_dtype(value: Any) -> torch.dtype:
-    if isinstance(value, bool):
+def python_scalar_dtype(value: Any) -> torch.dtype:
+    """The dtype torch gives a Python number (bool, int64, the default float dtype, complex64 or complex128 after it);
+    ``value`` may also be the weakly-typed JAX scalar a lowering receives for one (see :func:`scalar_operand`)."""
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if isinstance(value, bool) or kind == "b":
         return torch.bool
-    if isinstance(value, int):
+    if isinstance(value, int) or kind in ("i", "u"):
         return torch.int64
-    if isinstance(value, complex):
+    if isinstance(value, complex) or kind == "c":
         return torch.complex64 if torch.get_default_dtype() != torch.float64 else torch.complex128
     return torch.get_default_dtype()
 
@@ -153,7 +156,7 @@ def result_type(*operands: Any) -> Any:
             continue
         aval = getattr(operand, "aval", None)
         if aval is None and not hasattr(operand, "dtype"):
-            group, dtype = 2, _python_scalar_dtype(operand)
+            group, dtype = 2, python_scalar_dtype(operand)
         elif getattr(aval, "weak_type", False):
             kind = np.dtype(operand.dtype).kind
             group = 2

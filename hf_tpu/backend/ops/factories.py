@@ -54,20 +54,11 @@ def _float_accumulator(dtype: torch.dtype):
     return jnp.dtype("float64") if dtype in (torch.float64, torch.complex128) else jnp.dtype("float32")
 
 
-def _fill_dtype(dtype, fill_value):
-    """``full``'s dtype: ``dtype``, else what torch infers from the fill value's kind (bool, int64, the default
-    float dtype or its complex twin)."""
-    if dtype is not None:
-        return dtypes.to_jax(dtype)
-    default = torch.get_default_dtype()
-    kind = jnp.result_type(fill_value).kind
-    return dtypes.to_jax({"b": torch.bool, "f": default, "c": default.to_complex()}.get(kind, torch.int64))
-
-
 @lowering("full")
 def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
-    """``fill_value`` cast to the dtype (as ``fill_`` casts it) in every element."""
-    return jnp.full(tuple(size), fill_value, _fill_dtype(dtype, fill_value))
+    """``fill_value`` cast to the dtype (as ``fill_`` casts it) in every element; without ``dtype``, the dtype
+    torch gives the Python number."""
+    return jnp.full(tuple(size), fill_value, dtypes.to_jax(dtype or dtypes.python_scalar_dtype(fill_value)))
 
 
 @lowering("zeros")
