@@ -478,6 +478,55 @@ def test_an_error_when_a_chain_runs_names_the_op_and_the_line_that_recorded_it(e
     assert (failing.new_ones(2) + x[:2]).tolist() == [2.0, 2.0]  # the next chain runs
 
 
+def test_the_line_is_found_for_an_op_recorded_deep_in_a_long_function(exploding_op):
+    """The recorded place is resolved to a line only when an error is reported; far into a long function (where
+    ``f_lineno`` would decode hundreds of lines at every op) the line is still the right one."""
+    padding = "".join(f"    unused_{n} = {n}\n" for n in range(300))
+    source = f"def long_function(op, x):\n{padding}    return op(x * 2) + 1\n"
+    namespace = {}
+    exec(compile(source, "generated_long_function.py", "exec"), namespace)
+    torch.tpu.set_eager_mode("fused")
+    result = namespace["long_function"](exploding_op, torch.ones(4, device="tpu"))
+    with pytest.raises(RuntimeError, match=r"explode \(recorded at generated_long_function.py:302\)"):
+        result.cpu()
+
+
+def test_ops_with_no_floating_point_value_run_unconditioned_in_a_chain():
+    """Integer and boolean ops (generate's token and stopping bookkeeping) are not wrapped in a conditional, and
+    give strict mode's results bit for bit, beside float ops that are."""
+    exact = fused._exact
+    ints = jax.ShapeDtypeStruct((1, 3), np.int32)
+    assert exact(jax.make_jaxpr(lambda a, b: jax.numpy.concatenate([a, b], -1))(ints, ints).jaxpr)
+    assert exact(jax.make_jaxpr(lambda a: (a > 1) | (a == 0))(ints).jaxpr)
+    floats = jax.ShapeDtypeStruct((1, 3), np.float32)
+    assert not exact(jax.make_jaxpr(lambda a: jax.numpy.argmax(a, -1))(floats).jaxpr)  # reads floats
+    assert not exact(jax.make_jaxpr(lambda a: (a * 0.5).astype(np.int32))(ints).jaxpr)  # floats inside
+    inner = jax.jit(lambda a: (a.astype(np.float32) + 1).astype(np.int32))
+    assert not exact(jax.make_jaxpr(lambda a: inner(a) + 1)(ints).jaxpr)  # floats inside an inner jaxpr
+
+    def bookkeeping(logits, tokens, finished):
+        next_tokens = torch.argmax(logits * 1.5 + 0.25, dim=-1)  # float ops: isolated
+        tokens = torch.cat([tokens, next_tokens[:, None]], dim=-1)
+        stop = torch.full((tokens.shape[0],), tokens.shape[-1] >= 6, device=tokens.device, dtype=torch.bool)
+        finished = finished | (next_tokens == 3) | stop
+        return [tokens, finished, ~finished & (tokens.max(-1).values > 2), next_tokens.cumsum(0) * 7 // 3 % 5]
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 9), torch.randint(0, 9, (4, 5)), torch.tensor([False, True, False, False])]
+    strict = in_mode("strict", bookkeeping, *[t.to("tpu") for t in inputs])
+    torch.tpu.set_eager_mode("fused")
+    before = fused.stats()["program_misses"]
+    pending = bookkeeping(*[t.to("tpu") for t in inputs])
+    isolated = {op.name for op in fused._chain.ops if not op.trace.exact}
+    assert isolated == {"aten::mul.Tensor", "aten::add.Tensor", "aten::argmax"}, isolated
+    assert {"aten::cat", "aten::bitwise_or.Tensor", "aten::bitwise_not", "aten::cumsum"} <= \
+        {op.name for op in fused._chain.ops if op.trace.exact}
+    results = [t.cpu() for t in pending]
+    assert fused.stats()["program_misses"] == before + 1  # one chain, one program
+    assert_bitwise(results, strict)
+    assert_bitwise(results, bookkeeping(*inputs))
+
+
 def test_tracing_errors_are_raised_by_the_op_itself():
     a, b = torch.ones(3, device="tpu"), torch.ones(4, device="tpu")
     with pytest.raises(RuntimeError) as strict_error:

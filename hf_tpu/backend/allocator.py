@@ -31,7 +31,7 @@ def new_address(nbytes: int, device_index: int, materialized: bool) -> int:
         raise too_large_error(nbytes, device_index)
     with _lock:
         address = _next_address
-        _next_address += -(-max(nbytes, 1) // _ALIGNMENT) * _ALIGNMENT
+        _next_address = address + (-(-nbytes // _ALIGNMENT) or 1) * _ALIGNMENT
         if materialized:
             _count(device_index, nbytes)
     return address
@@ -56,14 +56,14 @@ def _count(device_index: int, nbytes: int) -> None:
 
 
 def freed(device_index: int, nbytes: int) -> None:
-    freed_shards(((device_index, nbytes),))
+    with _lock:
+        _current[device_index] -= nbytes
+        _frees[device_index] += 1
 
 
 def freed_shards(shards: tuple[tuple[int, int], ...]) -> None:
-    with _lock:
-        for device_index, nbytes in shards:
-            _current[device_index] -= nbytes
-            _frees[device_index] += 1
+    for device_index, nbytes in shards:
+        freed(device_index, nbytes)
 
 
 def current(device_index: int) -> int:

@@ -30,6 +30,7 @@ its own thread into the same chain, in issue order.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -207,9 +208,10 @@ def _unchecked(fn: Callable) -> Callable:
 class _Trace:
     """An op's program traced for one input signature: ``jaxpr`` (closed, of the flattened inputs), the structure
     of its result (``None`` for one array), per result leaf (shape, dtype, signature, size), ``check``: whether the
-    last output is a check; ``alone``: the jaxpr jitted by itself, made when an op of this trace first runs alone."""
+    last output is a check; ``exact``: no value in it is a floating-point one (see :func:`_build`); ``alone``: the
+    jaxpr jitted by itself, made when an op of this trace first runs alone."""
 
-    __slots__ = ("jaxpr", "tree", "leaves", "check", "work", "alone")
+    __slots__ = ("jaxpr", "tree", "leaves", "check", "work", "exact", "alone")
 
 
 def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) -> _Trace:
@@ -232,18 +234,30 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     found.leaves = tuple((leaf.shape, leaf.dtype, (leaf.shape, leaf.dtype, leaf.weak_type), int(np.prod(leaf.shape)))
                          for leaf in leaves)
     found.work = sum(leaf[3] for leaf in found.leaves)
+    found.exact = _exact(traced.jaxpr.jaxpr)
     _traces[fn, signature] = found
     if len(_traces) > storage.PROGRAMS_PER_CACHE:
         _traces.popitem(last=False)
     return found
 
 
+def _exact(jaxpr: Any) -> bool:
+    """Whether no value of ``jaxpr`` (its inputs, constants, outputs, every equation's results, and those of the
+    jaxprs inside its equations) is a floating-point one: integer and boolean arithmetic is exact, however XLA
+    fuses it with its neighbours."""
+    values = (*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *(var for eqn in jaxpr.eqns for var in eqn.outvars))
+    return not any(np.issubdtype(value.aval.dtype, np.inexact) for value in values) and all(
+        _exact(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
+
+
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
 _internal_code: dict[int, tuple[Any, bool]] = {}  # id(code) -> (code, in torch or hf_tpu); a code object's hash is slow
 
 
-def _user_line() -> tuple[str, int] | None:
-    """The innermost caller outside torch and hf_tpu: the line that issued the op being recorded."""
+def _user_line() -> tuple[Any, int] | None:
+    """The innermost caller outside torch and hf_tpu, which issued the op being recorded: its code and the offset of
+    the instruction it is at (:func:`_line_of` gives the line: ``f_lineno`` decodes the line table from the
+    function's start, microseconds in a long function, paid by every op)."""
     try:  # past this function, record and record's caller in hf_tpu (not made into frame objects: faster)
         frame = sys._getframe(3)
     except ValueError:  # nothing above that caller: an op of the backward pass, run by autograd's thread
@@ -254,9 +268,15 @@ def _user_line() -> tuple[str, int] | None:
         if known is None or known[0] is not code:
             known = _internal_code[id(code)] = (code, code.co_filename.startswith(_INTERNAL))
         if not known[1]:
-            return code.co_filename, frame.f_lineno
+            return code, frame.f_lasti
         frame = frame.f_back
     return None
+
+
+def _line_of(place: tuple[Any, int]) -> str:
+    """``file:line`` of what :func:`_user_line` found (``co_positions`` has one entry per 2-byte code unit)."""
+    code, offset = place
+    return f"{code.co_filename}:{next(itertools.islice(code.co_positions(), offset // 2, None))[0]}"
 
 
 def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -> Any:
@@ -436,7 +456,9 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
     Each op runs as the taken branch of a conditional on ``gate`` (an input, always true): XLA fuses within a
     branch but not across, so each op's arithmetic is compiled as in its own program (a fused loop could contract
     one op's ``x * y`` and the next one's ``+ z`` into a fused multiply-add, which rounds differently), and the
-    results are those of strict mode, bit for bit."""
+    results are those of strict mode, bit for bit. An op with no floating-point value (:func:`_exact`: integer and
+    boolean bookkeeping, such as ``generate``'s token and stopping tensors) runs as it is: fusing it cannot change
+    a bit, and a conditional costs XLA about four times the compile time of what it holds."""
     plan = [(op.trace, op.refs, op.first) for op in ops]
 
     def chain_program(gate, *inputs):
@@ -445,7 +467,9 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
             values[slot] = value
         found = []
         for trace, refs, first in plan:
-            outputs = _isolated(gate, trace.jaxpr, jax.tree_util.tree_leaves(_resolve(refs, values)))
+            args = jax.tree_util.tree_leaves(_resolve(refs, values))
+            outputs = jax.extend.core.jaxpr_as_fun(trace.jaxpr)(*args) if trace.exact else \
+                _isolated(gate, trace.jaxpr, args)
             if trace.check:
                 found.append(outputs.pop())
             values[first:first + len(outputs)] = outputs
@@ -485,7 +509,7 @@ def _located(chain: _Chain, error: Exception, values: dict[int, Any]) -> Excepti
             jax.block_until_ready([check, *(values[slot] for slot in range(op.first, op.first + len(op.trace.leaves)))])
         except Exception as op_error:  # noqa: BLE001 (whatever the op raises is what is reported)
             raise_if_out_of_memory(op_error, chain.device or 0)
-            where = "" if op.line is None else f" (recorded at {op.line[0]}:{op.line[1]})"
+            where = "" if op.line is None else f" (recorded at {_line_of(op.line)})"
             return RuntimeError(f"{op.name}{where} failed when its fused eager chain ran: "
                                 f"{type(op_error).__name__}: {op_error}")
     raise_if_out_of_memory(error, chain.device or 0)
