@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 import weakref
 
@@ -525,6 +526,38 @@ def test_ops_with_no_floating_point_value_run_unconditioned_in_a_chain():
     assert fused.stats()["program_misses"] == before + 1  # one chain, one program
     assert_bitwise(results, strict)
     assert_bitwise(results, bookkeeping(*inputs))
+
+
+def common_calls(x, w, mask):
+    """Calls of the common kind (whole tensors, positional arguments, Scalars at their defaults) and calls that
+    are not (a view, a Python number, a Scalar given, a keyword argument)."""
+    plain = [x + w, torch.nn.functional.linear(x, w, None), x.sum(1), torch.where(mask, x, w), x.softmax(-1),
+             torch.cat([x, w]).float()]
+    other = [x.t() * w, x * 2.5, torch.add(x, w, alpha=2), x.sum(dim=1, keepdim=True), x[1:] + 1]
+    return plain + other
+
+
+def test_common_calls_in_fused_mode_reuse_strict_modes_programs_and_results(monkeypatch):
+    """Fused mode records its common calls with less bookkeeping (``record_plainly`` in dispatch.build_kernel): the
+    very programs strict mode runs (no new eager program is made for them) and the same results, bit for bit."""
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    inputs = [x.to("tpu"), w.to("tpu"), (x > 0).to("tpu")]
+    strict = in_mode("strict", common_calls, *inputs)
+    programs = dispatch.eager_program_count()
+    recorded_by = []
+    record = fused.record
+
+    def spy(*args, **kwargs):
+        recorded_by.append(sys._getframe(2).f_code.co_name)  # past dispatch's call(): the path that recorded
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "record", spy)
+    fused_results = in_mode("fused", common_calls, *inputs)
+    assert recorded_by.count("record_plainly") == 5 and recorded_by.count("run") == 6, recorded_by
+    assert dispatch.eager_program_count() == programs
+    assert_bitwise(fused_results, strict)
+    assert_bitwise(fused_results, common_calls(x, w, x > 0))
 
 
 def test_tracing_errors_are_raised_by_the_op_itself():

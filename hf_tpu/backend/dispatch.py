@@ -375,11 +375,75 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         program = tpu_lowering.checked(op_name, jax.jit(traced, keep_unused=True))
         return runtime.waiting_if_interpreted(program) if entry.calls_kernels else program
 
+    # What a recorded call of the common kind needs (see record_plainly): tensor arguments by position, and the
+    # schema's defaults of the Scalars and of the static arguments past the positional ones.
+    plain = (not destinations and len(returns) == 1 and str(returns[0].type) == "Tensor" and not entry.calls_kernels
+             and all(kind != _TENSOR_LIST for _, _, kind in tensor_slots))
+    tensor_indices = [index for _, index, _ in tensor_slots]
+    scalar_indices = [(index, default) for _, index, default in scalar_slots]
+    all_defaulted = (True,) * len(scalar_slots)
+
+    def record_plainly(args: tuple) -> torch.Tensor | None:
+        """Fused eager mode's common call, recorded with less bookkeeping than the general path below, with the
+        same program and the same result: positional arguments only, each tensor argument a whole contiguous tpu
+        tensor on one chip (the same for all), Scalars at their defaults, one tensor returned. ``None`` for
+        any other call, which the general path takes."""
+        count = len(args)
+        arrays, device_index = [], None
+        for index in tensor_indices:
+            tensor = args[index] if index < count else None
+            if tensor is None:
+                arrays.append(None)
+                continue
+            try:
+                buffer = tensor.untyped_storage()._hf_buffer
+            except AttributeError:  # a number, a CPU tensor, a storage torch made again: the general path
+                return None
+            array = buffer.array
+            if array is None:
+                array = buffer.current()
+            if device_index is None:
+                device_index = buffer.device_index
+            elif buffer.device_index != device_index:
+                return None
+            if array.shape != tensor.shape or type(array.sharding) is not storage.ONE_CHIP \
+                    or not storage.is_whole(tensor, buffer):
+                return None
+            arrays.append(array)
+        for index, default in scalar_indices:
+            if index < count and not (args[index] is default or (
+                    type(args[index]) is type(default) and args[index] == default)):
+                return None
+        if device_index is None:  # factories: the general path places them
+            return None
+        static_values = tuple([_frozen(args[index] if index < count else defaults[index])
+                               for index in static_indices]) if static_indices else ()
+        key = (
+            static_values, tuple(map(type, static_values)) if static_values else (), all_defaulted, (),
+            torch.get_default_dtype(), None, checks.MODE,
+            tuple([None if i >= count or args[i] is None else True for i in layout_indices]) if layout_indices else (),
+        )
+        result, _ = call(compile_for(key), arrays, device_index)
+        return _wrap(result, device_index)
+
+    def call(fn: Callable, dynamic: list, recording_on: int | None) -> Any:
+        """``fn(*dynamic)``, or recorded on chip ``recording_on``; errors of shapes and dtypes that tracing the
+        lowering finds are RuntimeErrors, as torch raises them."""
+        try:
+            return fn(*dynamic) if recording_on is None else fused.record(fn, dynamic, op_name, recording_on)
+        except (TypeError, ValueError) as error:
+            raise RuntimeError(f"{op_name}: {error}") from error
+
     def run(*args, **kwargs):
         if guard.forked:
             raise RuntimeError(guard.FORK_MESSAGE)
-        reader = _Inputs(fused.ON and (not entry.calls_kernels or fused.records_kernels()))
+        reader = None
         try:
+            if plain and fused.ON and not kwargs:
+                recorded = record_plainly(args)
+                if recorded is not None:
+                    return recorded
+            reader = _Inputs(fused.ON and (not entry.calls_kernels or fused.records_kernels()))
             bound = list(args) + defaults[len(args):] if len(args) < len(defaults) else list(args)
             for name, value in kwargs.items():
                 bound[position[name]] = value
@@ -432,15 +496,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices])
                 if layout_indices else (),
             )
-            fn = compile_for(key)
             recorded = reader.recording and not reader.mixed
-            try:
-                if recorded:
-                    result, check = fused.record(fn, dynamic, op_name, _device_of(reader, bound, device_arg))
-                else:
-                    result, check = fn(*dynamic)
-            except (TypeError, ValueError) as error:  # shape/dtype errors found while tracing the lowering
-                raise RuntimeError(f"{op_name}: {error}") from error
+            result, check = call(compile_for(key), dynamic, _device_of(reader, bound, device_arg) if recorded else None)
             if fused.DEBUG:
                 fused.settle(op_name, result, check)
             elif check is not None:
@@ -472,7 +529,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 return _wrap_in_order(result, order, device_index)
             return _wrap(result, device_index)
         except Exception as error:  # what guard.guarded does for hand-written kernels, without a call more
-            raise_if_out_of_memory(error, reader.device_index or 0)
+            raise_if_out_of_memory(error, getattr(reader, "device_index", None) or 0)
             raise
 
     run.__name__ = f"tpu_{op.__name__}"
