@@ -213,7 +213,7 @@ class _Inputs:
         if type(array.sharding) is not storage.ONE_CHIP:
             self.mixed = True
         self.read_from.append((position, chip, array))
-        if array.shape != tensor.shape or not storage.is_whole(tensor, buffer):
+        if not storage.holds_whole(tensor, buffer, array):
             self.views.append((position, storage.view_geometry(tensor, buffer)))
         return array
 
@@ -295,6 +295,26 @@ def _store(destination: torch.Tensor, value: Any, is_out: bool, overlap_ok: bool
     if is_out:
         resize_output(destination, value.shape)
     storage.write(destination, value)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether a Scalar argument is its schema default (then static: no per-call transfer)."""
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def _program_key(static_values: tuple, defaulted: tuple, views: tuple, order: tuple | None,
+                 contiguity: tuple) -> tuple:
+    """What a kernel's jitted program depends on beyond its inputs' shapes and dtypes (``compile_for``'s key)."""
+    return (
+        static_values,
+        tuple(map(type, static_values)) if static_values else (),  # arange(4) and arange(4.0) differ
+        defaulted,
+        views,
+        torch.get_default_dtype(),  # type promotion of Python floats depends on it
+        order,
+        checks.MODE,
+        contiguity,
+    )
 
 
 _scalar_arrays: dict[tuple, Any] = {}
@@ -406,24 +426,20 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 device_index = buffer.device_index
             elif buffer.device_index != device_index:
                 return None
-            if array.shape != tensor.shape or type(array.sharding) is not storage.ONE_CHIP \
-                    or not storage.is_whole(tensor, buffer):
+            if type(array.sharding) is not storage.ONE_CHIP or not storage.holds_whole(tensor, buffer, array):
                 return None
             arrays.append(array)
         for index, default in scalar_indices:
-            if index < count and not (args[index] is default or (
-                    type(args[index]) is type(default) and args[index] == default)):
+            if index < count and not _is_default(args[index], default):
                 return None
         if device_index is None:  # factories: the general path places them
             return None
         static_values = tuple([_frozen(args[index] if index < count else defaults[index])
                                for index in static_indices]) if static_indices else ()
-        key = (
-            static_values, tuple(map(type, static_values)) if static_values else (), all_defaulted, (),
-            torch.get_default_dtype(), None, checks.MODE,
-            tuple([None if i >= count or args[i] is None else True for i in layout_indices]) if layout_indices else (),
-        )
-        result, _ = call(compile_for(key), arrays, device_index)
+        contiguity = tuple([None if i >= count or args[i] is None else True for i in layout_indices]) \
+            if layout_indices else ()
+        result, _ = call(compile_for(_program_key(static_values, all_defaulted, (), None, contiguity)), arrays,
+                         device_index)
         return _wrap(result, device_index)
 
     def call(fn: Callable, dynamic: list, recording_on: int | None) -> Any:
@@ -464,7 +480,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             defaulted = [] if scalar_slots else ()
             for _, index, default in scalar_slots:
                 value = bound[index]
-                is_default = value is default or (type(value) is type(default) and value == default)
+                is_default = _is_default(value, default)
                 defaulted.append(is_default)
                 if not is_default:
                     if isinstance(value, torch.Tensor):
@@ -485,17 +501,10 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 first = bound[first_tensor]
                 if isinstance(first, torch.Tensor) and not first.is_contiguous():  # else a contiguous result
                     order = _memory_order(bound, first_tensor, tensor_slots)
-            key = (
-                static_values,
-                tuple(map(type, static_values)) if static_values else (),  # arange(4) and arange(4.0) differ
-                tuple(defaulted),
-                tuple(reader.views) if reader.views else (),
-                torch.get_default_dtype(),  # type promotion of Python floats depends on it
-                order,
-                checks.MODE,
-                tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices])
-                if layout_indices else (),
-            )
+            contiguity = tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices]) \
+                if layout_indices else ()
+            key = _program_key(static_values, tuple(defaulted), tuple(reader.views) if reader.views else (), order,
+                               contiguity)
             recorded = reader.recording and not reader.mixed
             result, check = call(compile_for(key), dynamic, _device_of(reader, bound, device_arg) if recorded else None)
             if fused.DEBUG:

@@ -373,6 +373,12 @@ def is_whole(tensor: torch.Tensor, buffer: Buffer) -> bool:
     )
 
 
+def holds_whole(tensor: torch.Tensor, buffer: Buffer, array: Any) -> bool:
+    """Whether ``array`` (the storage's, or its pending value) is the tensor's values as they are: of its shape,
+    and the tensor all of its storage (:func:`is_whole`)."""
+    return array.shape == tensor.shape and is_whole(tensor, buffer)
+
+
 def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:
     """What :func:`view_of` needs to take ``tensor``'s view of its storage array (hashable)."""
     return (
@@ -403,7 +409,7 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
     array = buffer.array
     if array is None:
         array = buffer.current() if pending else buffer.materialize()
-    if array.shape == tensor.shape and is_whole(tensor, buffer):
+    if holds_whole(tensor, buffer, array):
         return array
     reader = _view_reader(view_geometry(tensor, buffer))
     return fused.apply(reader, "view read", buffer.device_index, array) if pending else reader(array)
