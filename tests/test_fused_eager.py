@@ -185,6 +185,33 @@ def test_copies_on_one_chip_are_recorded_and_match_strict():
         torch.empty(4, device="tpu").copy_(z.to("tpu") * 2)
 
 
+def copies_of_computed(x, target):
+    """Copies, casts and a view write whose inputs hold computed arrays (not values of the chain)."""
+    target[1:3].copy_(x[0:2])  # a view read and a view write
+    return [x[1:4, ::2].clone(), x.t().to(torch.bfloat16), x[:, 1].to(copy=True, dtype=torch.float32), target]
+
+
+def test_copies_of_computed_values_are_recorded_too():
+    """A view read, a cast or a view write of arrays already computed is recorded in fused mode like any op
+    (run at once, each would be a program launch of its own), with strict mode's results."""
+    x, target = torch.randn(6, 4), torch.zeros(4, 4)
+    expected = copies_of_computed(x, target.clone())
+    strict = in_mode("strict", copies_of_computed, x.to("tpu"), target.to("tpu"))
+    inputs = [x.to("tpu"), target.to("tpu")]
+    torch.tpu.synchronize()  # every input computed
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    results = copies_of_computed(*inputs)
+    # the transposed bfloat16 copy keeps the source's strides (as on CPU): a view write into its new storage
+    assert [op.name for op in fused._chain.ops] == ["view read", "view write", "view read", "view read", "cast",
+                                                    "view write", "view read"]
+    assert fused.stats()["flushes"] == 0
+    actual = [t.cpu() for t in results]
+    assert_bitwise(actual, strict)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
 def tiny_training_step(model, ids):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     output = model(ids, labels=ids)

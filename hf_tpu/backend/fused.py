@@ -347,8 +347,9 @@ def records_kernels() -> bool:
 
 
 def apply(fn: Callable, name: str, device: int, *args: Any) -> Any:
-    """``fn(*args)`` for a jitted storage program (a view write, a cast): recorded when an argument is pending."""
-    if any(arg.__class__ is Lazy and arg.array is None for arg in args):
+    """``fn(*args)`` for a jitted storage program (a view read or write, a cast): recorded in fused eager mode
+    when every argument is on one chip (a value of the chain is), as an op of the op table is; else run now."""
+    if ON and all(arg.__class__ is Lazy or type(arg.sharding) is storage.ONE_CHIP for arg in args):
         return record(fn, args, name, device, pair=False)
     return fn(*(concrete(arg) for arg in args))
 

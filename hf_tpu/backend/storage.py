@@ -281,6 +281,13 @@ def _zeros_program(numel: int, dtype: Any, device_index: int) -> Any:
                                                  out_shardings=sharding))
 
 
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (torch's ``make_contiguous_strides_for``, cached: it is
+    microseconds a call, and ops ask it for a few shapes again and again)."""
+    return tuple(torch._prims_common.make_contiguous_strides_for(shape))
+
+
 def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
     """A tpu tensor on a new storage at ``buffer``'s address, carrying ``buffer``."""
     if _CAN_SWAP and buffer.device_index == 0:  # the fast path, on chip 0
@@ -291,7 +298,7 @@ def _new_tensor(buffer: Buffer, shape, stride=None) -> torch.Tensor:
             tensor.as_strided_(shape, stride)
     else:
         if stride is None:
-            stride = torch._prims_common.make_contiguous_strides_for(shape)
+            stride = contiguous_strides(tuple(shape))
         tensor = dlpack_alloc.tensor_at(buffer.address, tuple(shape), tuple(stride), buffer.dtype, buffer.device_index)
         untyped = tensor.untyped_storage()
     untyped._hf_buffer = buffer
@@ -314,7 +321,7 @@ def wrap_strided(physical: Any, dtype: torch.dtype, device_index: int, shape: tu
 def empty(shape, dtype: torch.dtype, device_index: int = 0, stride=None) -> torch.Tensor:
     """A tpu tensor whose memory is not allocated until it is first written or read."""
     shape = tuple(shape)
-    if stride is None or tuple(stride) == torch._prims_common.make_contiguous_strides_for(shape):
+    if stride is None or tuple(stride) == contiguous_strides(shape):
         stride, numel = None, math.prod(shape)
     else:
         numel = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))

@@ -224,7 +224,7 @@ def _layout_for(tensor: torch.Tensor, memory_format: Any) -> tuple | None:
     """The strides of ``tensor.to(..., memory_format=...)``'s result, as on CPU (``empty_like``'s rule); None for
     contiguous."""
     if memory_format in (None, torch.preserve_format):
-        stride, contiguous = tuple(tensor.stride()), torch._prims_common.make_contiguous_strides_for(tensor.shape)
+        stride, contiguous = tuple(tensor.stride()), storage.contiguous_strides(tuple(tensor.shape))
         if stride == contiguous:
             return None
         if not torch._prims_common.is_non_overlapping_and_dense_or_false(tensor):
@@ -276,7 +276,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
         return _device_result(value, dtype, index, stride, transfer)
     stream = streams.copy_stream(_device_index_of(self))
     if stream is not None and non_blocking and target.type == "cpu":  # into pinned memory, as CUDA does
-        host = torch.empty_strided(self.shape, stride or torch._prims_common.make_contiguous_strides_for(self.shape),
+        host = torch.empty_strided(self.shape, stride or storage.contiguous_strides(tuple(self.shape)),
                                    dtype=dtype)
         streams.queue_copy(stream, _fill_host, pinned.mark(host), storage.read(self), self.dtype)
         return host
@@ -334,7 +334,7 @@ def resize_(self, size, memory_format=None):
         new_storage = grown.untyped_storage()
     else:
         new_storage = self.untyped_storage()
-    stride = torch._prims_common.make_contiguous_strides_for(size)
+    stride = storage.contiguous_strides(tuple(size))
     torch.ops.aten.set_.source_Storage_storage_offset.redispatch(
         torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), self, new_storage, self.storage_offset(), size, stride
     )
