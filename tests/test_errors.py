@@ -116,3 +116,55 @@ def test_exception_in_an_autograd_hook_is_raised_not_an_abort(hook, entry):
     fresh = torch.randn(3, device="tpu", requires_grad=True)
     (fresh * 3).sum().backward()  # the device and the engine still work
     assert_same(fresh.grad, torch.full((3,), 3.0))
+
+
+def _int8(device):
+    return torch.ones(3, dtype=torch.int8, device=device)
+
+
+def _half(device):
+    return torch.ones(3, dtype=torch.float16, device=device)
+
+
+# Scalars that do not fit the type an op computes in: some CPU kernels refuse them, others wrap them around
+SCALAR_OVERFLOWS = {
+    "fill_": (lambda d: _int8(d).fill_(200), "int8_t"),
+    "full": (lambda d: torch.full((2,), 300, dtype=torch.uint8, device=d), "uint8_t"),
+    "full_default_dtype": (lambda d: torch.full((2,), 1e300, device=d), "float"),
+    "masked_fill_half": (lambda d: _half(d).masked_fill(torch.ones(3, dtype=torch.bool, device=d), -1e9), "Half"),
+    "clamp": (lambda d: torch.ones(3, dtype=torch.int16, device=d).clamp(max=100000), "int16_t"),
+    "where": (lambda d: torch.where(torch.ones(3, dtype=torch.bool, device=d), _int8(d), 300), "int8_t"),
+    "alpha": (lambda d: torch.ones(3, dtype=torch.int32, device=d).add(1, alpha=2 ** 40), "int"),
+    "index_fill": (lambda d: _int8(d).index_fill(0, torch.tensor([0], device=d), 300), "int8_t"),
+    "fill_nan_into_int": (lambda d: _int8(d).fill_(float("nan")), "int8_t"),
+    "wrapped_add": (lambda d: _int8(d) + 300, None),
+    "wrapped_eq": (lambda d: torch.ops.aten.eq.Scalar(_int8(d), 300), None),
+    "wrapped_and": (lambda d: _int8(d) & 300, None),
+    "unsigned_takes_minus_one": (lambda d: torch.ones(3, dtype=torch.uint8, device=d).fill_(-1), None),
+    "half_takes_infinity": (lambda d: _half(d).fill_(float("-inf")), None),
+}
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+@pytest.mark.parametrize("op, refused_type", SCALAR_OVERFLOWS.values(), ids=SCALAR_OVERFLOWS.keys())
+def test_a_scalar_the_op_cannot_convert_is_refused_as_on_cpu(op, refused_type, mode):
+    """Where CPU refuses a number (no silent wrap-around or infinity), tpu raises CPU's error; where CPU wraps it
+    into a tensor and computes, tpu gives the same values."""
+    if refused_type is None:
+        expected = op("cpu")
+        torch.tpu.set_eager_mode(mode)
+        try:
+            assert_same(op("tpu"), expected, rtol=0, atol=0)
+        finally:
+            torch.tpu.set_eager_mode("strict")
+        return
+    message = re.escape(f"value cannot be converted to type {'c10::' if refused_type == 'Half' else ''}"
+                        f"{refused_type} without overflow")
+    with pytest.raises(RuntimeError, match=message):
+        op("cpu")
+    torch.tpu.set_eager_mode(mode)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            op("tpu")
+    finally:
+        torch.tpu.set_eager_mode("strict")

@@ -114,6 +114,44 @@ def python_scalar_dtype(value: Any) -> torch.dtype:
     return torch.get_default_dtype()
 
 
+@functools.lru_cache(maxsize=None)
+def _limits(dtype: np.dtype) -> tuple[str, float, float] | None:
+    """``(kind, lowest, highest)`` of the numbers torch's checked conversion lets into ``dtype`` (a numpy or JAX
+    dtype): ``None`` for bool and complex, which take any number."""
+    import jax.numpy as jnp
+
+    if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        # an unsigned type also takes negative integers down to -max (they wrap: uint8 -1 is 255)
+        return ("integer", -int(info.max) if info.min == 0 else int(info.min), int(info.max))
+    info = jnp.finfo(dtype)
+    return ("floating", float(info.min), float(info.max))
+
+
+def fits_every_dtype(value: int | float) -> bool:
+    """Whether torch converts the number to any dtype without a complaint (a quick test before
+    :func:`scalar_overflows`): an integer of int8's range (uint8 takes -255..255), a float from 0 to 127."""
+    return -128 <= value <= 127 if value.__class__ is int else 0.0 <= value <= 127.0
+
+
+def scalar_overflows(value: int | float, dtype: Any) -> bool:
+    """Whether torch refuses to convert the Python number ``value`` to ``dtype`` ("value cannot be converted to
+    type ... without overflow", c10's ``overflows``): an integer outside the type's range (an unsigned type takes
+    -max..max), a float outside an integer type's range or NaN, a finite number beyond a float type's largest.
+    Infinities and NaN fit float types; bool and complex types take anything."""
+    limits = _limits(np.dtype(dtype))
+    if limits is None:
+        return False
+    kind, lowest, highest = limits
+    if kind == "floating" and isinstance(value, float) and not np.isfinite(value):
+        return False
+    if kind == "integer" and isinstance(value, float):
+        lowest = float(np.iinfo(np.dtype(dtype)).min)
+    return not lowest <= value <= highest
+
+
 _WIDE = ("float64", "complex128")
 
 
