@@ -3,8 +3,8 @@
 Their assertions compare tpu with CPU (or with exact values), so passing in fused mode shows that recording ops
 and running them as chains changes no result: views and in-place writes through them, aliasing, autograd,
 RNG, autocast, deferred checks and error messages, streams, optimizers, torch.func, a Llama forward. The whole
-suite passes in fused mode too (see the README), but both suites together take longer than CI has (about 21
-and 15 minutes on 2 cores); run it by hand with
+suite runs in fused mode too (the README gives the last results), but both suites together take longer than CI
+has (about 21 and 15 minutes on 2 cores); run it by hand with
 ``HF_TPU_EAGER_MODE=fused python -m pytest -n auto --dist loadfile``.
 """
 
