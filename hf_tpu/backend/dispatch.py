@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 import torch
 
-from . import checks, device_module, dtypes, fused, runtime, storage, tpu_lowering
+from . import checks, device_module, dtypes, fallback, fused, runtime, storage, tpu_lowering
 from . import guard
 from .out_of_memory import raise_if_out_of_memory
 
@@ -331,25 +331,16 @@ def _scalar_array(value: Any, wide: bool) -> Any:
     return array
 
 
-def _refuse_as_cpu_does(op: torch._ops.OpOverload, bound: list) -> None:
+def _refuse_as_cpu_does(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
     """Raises CPU's error if the op, run on CPU copies of its arguments, refuses a Scalar it cannot convert to
     the type it computes in ("value cannot be converted to type int8_t without overflow": ``fill_(300)`` on
     int8, ``clamp(max=100000)`` on int16); XLA would wrap the number around or round it to infinity. Whether an op
     converts its Scalar so (``fill_``, ``masked_fill``, ``clamp``, ``alpha``) or wraps it into a tensor first
     (``eq(x, 300)``, ``add(x, 300)``) is the CPU kernel's choice, so only a run of it tells; this is done only for
     a number that overflows an input's dtype. Any other error of the CPU run is left to the op itself."""
-    args, kwargs = [], {}
-    for argument, value in zip(op._schema.arguments, bound):
-        if isinstance(value, torch.Tensor):
-            value = value.cpu()
-        elif isinstance(value, (list, tuple)):
-            value = type(value)(item.cpu() if isinstance(item, torch.Tensor) else item for item in value)
-        elif argument.name == "device":
-            value = "cpu"
-        if argument.kwarg_only:
-            kwargs[argument.name] = value
-        else:
-            args.append(value)
+    args, kwargs, _ = fallback.cpu_copies(args, kwargs)
+    if "device" in kwargs:  # a factory's (kwarg-only in every ATen schema)
+        kwargs["device"] = "cpu"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -388,11 +379,13 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def may_overflow(value: int | float, dynamic: list, bound: list) -> bool:
         """Whether a Scalar argument overflows the dtype of a tensor input or of the ``dtype`` argument (or the
         default dtype it stands for), one of which the op computes in."""
+        if not probes_cpu:
+            return False
         targets = [item.dtype for operand in dynamic  # arrays (a number in a tensor's place has no dtype)
                    for item in (operand if isinstance(operand, tuple) else (operand,)) if hasattr(item, "dtype")]
         if dtype_arg is not None:
             targets.append(dtypes.to_jax(bound[dtype_arg] or torch.get_default_dtype()))
-        return probes_cpu and any(dtypes.scalar_overflows(value, target) for target in targets)
+        return any(dtypes.scalar_overflows(value, target) for target in targets)
 
     returns = list(schema.returns)
     returns_written = bool(returns) and all(r.alias_info is not None and r.alias_info.is_write for r in returns)
@@ -529,7 +522,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     elif value is not None:
                         if value.__class__ in (int, float) and not dtypes.fits_every_dtype(value) \
                                 and may_overflow(value, dynamic, bound):
-                            _refuse_as_cpu_does(op, bound)
+                            _refuse_as_cpu_does(op, args, kwargs)
                         if wide is None:
                             wide = wide_scalars(dynamic, bound)
                         if isinstance(value, (list, tuple)):

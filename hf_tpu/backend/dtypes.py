@@ -115,19 +115,19 @@ def python_scalar_dtype(value: Any) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=None)
-def _limits(dtype: np.dtype) -> tuple[str, float, float] | None:
-    """``(kind, lowest, highest)`` of the numbers torch's checked conversion lets into ``dtype`` (a numpy or JAX
-    dtype): ``None`` for bool and complex, which take any number."""
+def _limits(dtype: np.dtype) -> tuple[bool, float, float, float] | None:
+    """``(floating, lowest integer, lowest float, highest)`` torch's checked conversion lets into ``dtype`` (a numpy
+    or JAX dtype); ``None`` for bool and complex, which take any number. An unsigned type also takes negative
+    integers down to -max (they wrap: uint8's -1 is 255), but no negative float."""
     import jax.numpy as jnp
 
     if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
         return None
     if jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
-        # an unsigned type also takes negative integers down to -max (they wrap: uint8 -1 is 255)
-        return ("integer", -int(info.max) if info.min == 0 else int(info.min), int(info.max))
+        return False, -int(info.max) if info.min == 0 else int(info.min), int(info.min), int(info.max)
     info = jnp.finfo(dtype)
-    return ("floating", float(info.min), float(info.max))
+    return True, float(info.min), float(info.min), float(info.max)
 
 
 def fits_every_dtype(value: int | float) -> bool:
@@ -144,12 +144,12 @@ def scalar_overflows(value: int | float, dtype: Any) -> bool:
     limits = _limits(np.dtype(dtype))
     if limits is None:
         return False
-    kind, lowest, highest = limits
-    if kind == "floating" and isinstance(value, float) and not np.isfinite(value):
+    floating, lowest_integer, lowest_float, highest = limits
+    if value.__class__ is not float:
+        return not lowest_integer <= value <= highest
+    if floating and not np.isfinite(value):
         return False
-    if kind == "integer" and isinstance(value, float):
-        lowest = float(np.iinfo(np.dtype(dtype)).min)
-    return not lowest <= value <= highest
+    return not lowest_float <= value <= highest
 
 
 _WIDE = ("float64", "complex128")
