@@ -35,6 +35,12 @@ def array_of(tensor: torch.Tensor):
     return buffer.pending.array if buffer.array is None else buffer.array
 
 
+def computed(tensor: torch.Tensor) -> bool:
+    """Whether the device has computed a tensor's value (in fused eager mode, not before its chain ran)."""
+    array = array_of(tensor)
+    return array is not None and array.is_ready()
+
+
 @pytest.fixture
 def side():
     stream = torch.tpu.Stream()
@@ -263,10 +269,10 @@ def test_a_copy_into_pinned_memory_is_queued_on_the_default_stream_too():
     host = torch.empty(MATRIX, MATRIX, pin_memory=True)
     start = time.perf_counter()
     host.copy_(result, non_blocking=True)  # as CUDA queues it: returns before the device is done
-    assert time.perf_counter() - start < 0.1 and not array_of(result).is_ready()
+    assert time.perf_counter() - start < 0.1 and not computed(result)
     done = torch.tpu.Event()
-    done.record()
-    assert not done.query()
+    done.record()  # runs nothing (fused eager mode's recorded ops neither)
+    assert not computed(result) and not done.query()
     done.synchronize()
     expected = result.cpu()
     assert torch.equal(host, expected)
@@ -282,6 +288,49 @@ def test_a_copy_into_pinned_memory_is_queued_on_the_default_stream_too():
     unpinned, later = torch.zeros(MATRIX, MATRIX), busy_device(result)
     unpinned.copy_(later, non_blocking=True)  # pageable memory: synchronous, as on CUDA
     assert array_of(later).is_ready() and not result.to("cpu", non_blocking=True).is_pinned()
+
+
+def test_queued_host_copies_land_in_issue_order_at_any_host_sync():
+    values = torch.arange(6.0, device="tpu")
+    host = torch.zeros(6, pin_memory=True)
+    for scale in (1.0, 2.0, 3.0):  # into one host tensor: the last one issued is what it holds
+        host.copy_(values * scale, non_blocking=True)
+    assert (values.sum() * 0).item() == 0  # .item() syncs the device: the copies queued before it are done
+    assert host.tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+    first, second = torch.zeros(6, pin_memory=True), torch.zeros(6, pin_memory=True)
+    first.copy_(values + 1, non_blocking=True)
+    second.copy_(values + 2, non_blocking=True)
+    event = torch.tpu.Event()
+    event.record()
+    event.synchronize()
+    assert first.tolist() == (torch.arange(6.0) + 1).tolist() and second.tolist() == (torch.arange(6.0) + 2).tolist()
+    for _ in range(100):  # copies never waited for do not pile up: a new one does those whose values are computed
+        host.copy_(values, non_blocking=True)
+        torch.tpu.current_stream().query()
+    assert len(streams._host_copies[0]) <= 2
+    torch.tpu.synchronize()
+    assert not streams._host_copies[0] and torch.equal(host, torch.arange(6.0))
+
+
+def test_a_flag_copied_to_the_host_with_an_event_runs_no_fused_chain_of_its_own():
+    """generate's stopping check each token: a flag copied into pinned memory and an event recorded after it. In
+    fused eager mode neither runs the ops recorded so far: they run with the next ones, at the next sync point."""
+    from hf_tpu.backend import fused
+
+    torch.tpu.set_eager_mode("fused")
+    try:
+        tokens = torch.arange(8, device="tpu")
+        torch.tpu.synchronize()
+        flag, copied = torch.zeros((), dtype=torch.bool, pin_memory=True), torch.tpu.Event()
+        runs = fused.stats()["flushes"]
+        flag.copy_((tokens + 1).max() == 8, non_blocking=True)
+        copied.record()
+        assert fused.stats()["flushes"] == runs and fused.stats()["pending"] == 3  # add, max, eq
+        following = tokens * 2  # recorded into the same chain
+        copied.synchronize()  # runs it: one run
+        assert fused.stats()["flushes"] == runs + 1 and bool(flag) and following.tolist() == list(range(0, 16, 2))
+    finally:
+        torch.tpu.set_eager_mode("strict")
 
 
 def test_a_write_after_a_pending_copy_replaces_it(side):

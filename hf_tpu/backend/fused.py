@@ -9,7 +9,8 @@
   chain runs as one ``jax.jit`` of the recorded programs, in order, when a value is needed: a storage read that
   needs an array (``.item()``, ``.cpu()``, printing, hand-written kernels and fallbacks reading their inputs,
   collectives, compiled graphs), ``torch.tpu.synchronize()``, a change of the current stream and a read of a
-  stream's or an event's work (``record``, ``query``, ``synchronize``), a host sync of the deferred checks, an op on
+  stream's or an event's work (``query``, ``synchronize``; ``record`` on a non-default stream: one recorded on the
+  default stream holds a :class:`Recorded` marker instead), a host sync of the deferred checks, an op on
   another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops or :data:`MAX_WORK` result
   elements. Programs are cached by the chain's structure (the programs, which inputs feed which op, the inputs'
   shapes and dtypes, which results are still referenced), least recently used evicted past
@@ -89,6 +90,42 @@ class Lazy:
         return self.array
 
 
+class Recorded:
+    """A completion marker of the ops recorded so far, as a JAX array is one of the op that computes it
+    (``is_ready``, ``block_until_ready``): what an event recorded on the default stream holds while ops are pending,
+    so that recording it runs nothing. Asked, it runs the chain (if it has not run: with the ops recorded since)."""
+
+    __slots__ = ("chain",)
+
+    def __init__(self, chain: _Chain) -> None:
+        self.chain = chain
+
+    def _finished(self) -> Any:
+        chain = self.chain
+        if not chain.ran:
+            with _lock:
+                if chain is _chain and chain.ops:
+                    _restart(chain.device)
+        if chain.error is not None:
+            raise RuntimeError(f"the fused eager chain this waits for failed ({chain.error})")
+        return chain.finished
+
+    def is_ready(self) -> bool:
+        finished = self._finished()
+        return finished is None or finished.is_ready()
+
+    def block_until_ready(self) -> None:
+        finished = self._finished()
+        if finished is not None:
+            finished.block_until_ready()
+
+
+def recorded() -> Recorded | None:
+    """The completion marker of the ops recorded and not run yet (:class:`Recorded`), None if there are none."""
+    with _lock:
+        return Recorded(_chain) if _chain.ops else None
+
+
 def concrete(value: Any) -> Any:
     """``value`` with a :class:`Lazy` value replaced by its array (the chain runs if needed)."""
     return value.value() if value.__class__ is Lazy else value
@@ -126,6 +163,8 @@ class _Chain:
         self.work = 0  # elements of the ops' results
         self.after_bound = False  # the chain before it ran at the size bound (see _ends_before)
         self.error: BaseException | None = None
+        self.ran = False
+        self.finished: Any = None  # once it ran: its newest result array, if it has one (see Recorded)
 
     def ref(self, value: Any, signature: Any, used: list[int]) -> Any:
         """The slot of a value an op reads (of ``signature``); ``used``: the input slots the op reads already."""
@@ -375,6 +414,7 @@ def _run(chain: _Chain) -> None:
     and evicted since runs op by op instead, each op's recorded trace a program of its own, as strict mode runs it:
     structures that come back in a cycle longer than the cache (a generate loop whose growing token tensors give
     every step a new structure) would otherwise build a program at each run."""
+    chain.ran = True
     live = [handle for op in chain.ops for ref in op.outputs if (handle := ref()) is not None]
     if not live and not chain.checks:
         _release(chain)
@@ -417,6 +457,7 @@ def _run(chain: _Chain) -> None:
         handle.array, handle.chain = array, None
     _release(chain)
     if outputs:
+        chain.finished = outputs[-1]
         storage.computed(outputs[-1], chain.device)
     if check is not None:
         checks.defer(check, chain.device)

@@ -12,7 +12,8 @@ They follow ``torch.cuda``'s names and semantics, on top of JAX's asynchronous d
   tensor's storage waits for its copy when first used, while the host tensor must not be read (nor a
   pinned source changed) before the stream, or an event recorded after the copy, is synchronized,
   as on CUDA. Its other copies wait for its queue and then complete before returning. On the default
-  stream every copy is synchronous, as before streams existed.
+  stream every copy is synchronous, as before streams existed, except a ``non_blocking=True`` copy into
+  pinned host memory: it is queued (a :class:`HostCopy`, which no thread runs: what waits for it does it).
 * **Completion markers.** A stream's work is its queued copies and the arrays computed while it was
   current; the default stream's is the device's newest computed and transferred arrays. Events record
   these markers; ``query``/``synchronize`` test or wait for them; ``wait_event``/``wait_stream`` make
@@ -46,6 +47,8 @@ _in_flight: dict[int, set[Future]] = collections.defaultdict(set)  # queued copi
 
 
 def _done(marker: Any) -> bool:
+    """Whether a completion marker is done: a queued copy's future, or one with a JAX array's ``is_ready`` (an
+    array, a :class:`HostCopy`, the ops fused eager mode recorded)."""
     return marker.done() if isinstance(marker, Future) else marker.is_ready()
 
 
@@ -89,7 +92,7 @@ class Stream(torch._C.Stream):
         _wait(self._markers(), self.device_index)
         self._kept.clear()
         # Forget completed markers (unless newer work came meanwhile): they hold device arrays.
-        if self._last_copy is not None and self._last_copy.done():
+        if self._last_copy is not None and _done(self._last_copy):
             self._last_copy = None
         if self._computed is not None and self._computed.is_ready():
             self._computed = None
@@ -125,13 +128,18 @@ class Stream(torch._C.Stream):
         self._contexts.pop().__exit__(*exc)
 
     def _markers(self) -> tuple:
-        """What the stream's work so far completes with: futures of queued copies, JAX arrays."""
-        _run_recorded()
+        """What the stream's work so far completes with: futures of queued copies, JAX arrays; on the default
+        stream, the ops fused eager mode recorded, which run when the marker is asked (so that recording an event
+        runs nothing: ``generate`` records one after each token's flag copy), not now."""
         if self._worker is None:
             from . import storage
 
+            fused = sys.modules.get(f"{__package__}.fused")  # not imported before the device's first op
+            recorded = fused.recorded() if fused is not None and fused.ON else None
+            pending = () if recorded is None else (recorded,)
             copies = () if self._last_copy is None else (self._last_copy,)
-            return (*storage.newest(self.device_index), *self._waits, *copies)
+            return (*storage.newest(self.device_index), *pending, *self._waits, *copies)
+        _run_recorded()
         return tuple(marker for marker in (self._last_copy, self._computed) if marker is not None)
 
 
@@ -139,10 +147,9 @@ def _create(cls: type, device_index: int, stream_id: int, priority: int) -> Stre
     stream = torch._C.Stream.__new__(cls, stream_id=stream_id, device_index=device_index, device_type=_PRIVATE_USE1)
     stream.priority = priority
     # The default stream has no worker: its copies run on the calling thread, except the ones into pinned
-    # host memory, queued on a worker started by the first (``_host_copies``).
+    # host memory, queued as HostCopy markers.
     stream._worker = ThreadPoolExecutor(1, f"hf_tpu-stream-{stream_id}") if stream_id else None
-    stream._host_copies = None
-    stream._last_copy = None  # the future of the newest task queued on the worker
+    stream._last_copy = None  # the newest copy queued: a future of the worker's task, or a HostCopy
     stream._computed = None  # the newest array computed while the stream was current
     stream._waits = []  # default stream: markers its next copies wait for
     stream._kept = collections.deque()  # (markers, device contents) kept alive by Tensor.record_stream
@@ -340,25 +347,111 @@ def copy_stream(device_index: int, into_pinned_host: bool = False) -> Stream | N
         _wait(waits, device_index)
     if into_pinned_host:
         return stream
-    if stream._last_copy is not None and not stream._last_copy.done():
+    if stream._last_copy is not None and not _done(stream._last_copy):
         _wait((stream._last_copy,), device_index)
     return None
 
 
 def queue_copy(stream: Stream, task: Callable[..., Any], *args: Any) -> Future:
-    """Queues ``task(*args)`` on the stream's worker, after the work queued there before it. The task
-    must return only once its copy is complete: its future is the copy's completion marker."""
-    worker = stream._worker
-    if worker is None:  # the default stream: its copies into pinned host memory
-        with _lock:
-            worker = stream._host_copies = stream._host_copies or ThreadPoolExecutor(
-                1, f"hf_tpu-host-copies-{stream.device_index}")
-    future = worker.submit(task, *args)
+    """Queues ``task(*args)`` on the stream's worker (a non-default stream's), after the work queued there
+    before it. The task must return only once its copy is complete: its future is the copy's completion marker."""
+    future = stream._worker.submit(task, *args)
     stream._last_copy = future
     in_flight = _in_flight[stream.device_index]
     in_flight.add(future)
     future.add_done_callback(in_flight.discard)
     return future
+
+
+class HostCopy:
+    """A copy of a device value into pinned host memory queued on the default stream (``non_blocking=True``), as
+    CUDA queues it; a completion marker as a JAX array is one (``is_ready``, ``block_until_ready``).
+
+    No thread runs it (a worker's hand-offs cost the host more than the copy): whatever waits for it does it, after
+    the host copies queued before it, so that the host sees them in issue order: an event's or a stream's
+    ``synchronize``, ``torch.tpu.synchronize``, a later copy between the host and the chip, ``.item()``; and a
+    ``query`` that finds the value computed. ``fill(array)`` writes the host tensor. The value may be one fused
+    eager mode has not computed yet: queuing the copy runs nothing (a sync point later runs it with the ops
+    recorded after it), and asking whether the copy is done runs it.
+    """
+
+    __slots__ = ("_fill", "_value", "_error", "finished", "device_index")
+
+    def __init__(self, fill: Callable[[Any], None], value: Any, device_index: int) -> None:
+        self._fill, self._value, self.device_index = fill, value, device_index
+        self._error: BaseException | None = None
+        self.finished = False
+        if hasattr(value, "copy_to_host_async"):  # a computed array: its transfer starts as soon as it is ready
+            value.copy_to_host_async()
+
+    def is_ready(self) -> bool:
+        return self.finished or _do_host_copies(self, wait=False)
+
+    def block_until_ready(self) -> None:
+        if not self.finished:
+            _do_host_copies(self, wait=True)
+        if self._error is not None:
+            raise self._error
+
+    def _computed(self, run_recorded: bool = True) -> bool:
+        """Whether the value is computed; a value fused eager mode recorded is computed first with
+        ``run_recorded``, else counts as not computed while its chain has not run."""
+        from . import fused
+
+        value = self._value
+        if value.__class__ is fused.Lazy and value.array is None and not run_recorded:
+            return False
+        return fused.concrete(value).is_ready()
+
+    def _run(self) -> None:
+        from . import fused
+
+        try:
+            self._fill(fused.concrete(self._value))
+        except Exception as error:  # noqa: BLE001 (raised to whoever waits for this copy, as a future's error)
+            self._error = error
+        self._value, self.finished = None, True
+
+
+_host_copies: dict[int, collections.deque[HostCopy]] = collections.defaultdict(collections.deque)
+_host_copies_lock = threading.RLock()
+
+
+def _do_host_copies(last: HostCopy, wait: bool, run_recorded: bool = True) -> bool:
+    """Does the host copies queued on ``last``'s chip, in order, up to ``last``; without ``wait``, only those whose
+    values are computed (see :meth:`HostCopy._computed` for ``run_recorded``). Whether ``last`` is done."""
+    with _host_copies_lock:
+        queue = _host_copies[last.device_index]
+        while not last.finished:
+            first = queue[0]
+            if not wait and not first._computed(run_recorded):
+                return False
+            first._run()
+            queue.popleft()
+            _in_flight[last.device_index].discard(first)
+    return True
+
+
+def queue_host_copy(stream: Stream, fill: Callable[[Any], None], value: Any) -> HostCopy:
+    """Queues a copy of ``value`` (a device array, or a value fused eager mode recorded) into pinned host memory on
+    the default ``stream``: ``fill(array)`` writes it, when something waits for it (see :class:`HostCopy`)."""
+    copy = HostCopy(fill, value, stream.device_index)
+    with _host_copies_lock:
+        queue = _host_copies[stream.device_index]
+        if queue:  # the copies queued before whose values are computed now are done now, as on CUDA soon after
+            _do_host_copies(queue[-1], wait=False, run_recorded=False)
+        queue.append(copy)
+        _in_flight[stream.device_index].add(copy)
+    stream._last_copy = copy
+    return copy
+
+
+def do_host_copies(device_index: int) -> None:
+    """For a host sync (``.item()``): does the host copies queued on the chip's default stream, as CUDA's sync of
+    the stream completes them."""
+    queue = _host_copies.get(device_index)
+    if queue:
+        _wait((queue[-1],), device_index)
 
 
 def run_copy(stream: Stream, task: Callable[..., Any], *args: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -149,8 +150,8 @@ def _host_tensor(array: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _fill_host(host: torch.Tensor, array: Any, dtype: torch.dtype) -> None:
-    """For a stream's worker: copies a device array (of ``dtype``) into a host tensor."""
+def _fill_host(host: torch.Tensor, dtype: torch.dtype, array: Any) -> None:
+    """For a queued copy: copies a device array (of ``dtype``) into a host tensor."""
     host.copy_(_host_tensor(array, dtype))
 
 
@@ -167,8 +168,12 @@ def copy_(self, src, non_blocking=False):
         stream = streams.copy_stream(_device_index_of(src), into_pinned_host=queued)
         if stream is None:
             return self.copy_(to_host(src), non_blocking)
+        if queued and stream._worker is None:  # the default stream: queued without running the recorded ops
+            streams.queue_host_copy(stream, functools.partial(_fill_host, self, src.dtype),
+                                    storage.read(src, pending=True))
+            return self
         if queued:
-            streams.queue_copy(stream, _fill_host, self, storage.read(src), src.dtype)
+            streams.queue_copy(stream, _fill_host, self, src.dtype, storage.read(src))
             return self
         return self.copy_(streams.run_copy(stream, to_host, src))
     check_no_internal_overlap(self)
@@ -278,7 +283,7 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     if stream is not None and non_blocking and target.type == "cpu":  # into pinned memory, as CUDA does
         host = torch.empty_strided(self.shape, stride or storage.contiguous_strides(tuple(self.shape)),
                                    dtype=dtype)
-        streams.queue_copy(stream, _fill_host, pinned.mark(host), storage.read(self), self.dtype)
+        streams.queue_copy(stream, _fill_host, pinned.mark(host), self.dtype, storage.read(self))
         return host
     host = to_host(self) if stream is None else streams.run_copy(stream, to_host, self)
     if host.dtype != dtype:
@@ -318,6 +323,7 @@ def record_stream(self, s):
 @kernel("_local_scalar_dense")
 def _local_scalar_dense(self):
     checks.raise_pending()
+    streams.do_host_copies(_device_index_of(self))
     return np.asarray(storage.read(self)).item()
 
 
