@@ -439,11 +439,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
 
     def record_plainly(args: tuple) -> torch.Tensor | None:
         """Fused eager mode's common call, recorded with less bookkeeping than the general path below, with the
-        same program and the same result: positional arguments only, each tensor argument a whole contiguous tpu
-        tensor on one chip (the same for all), Scalars at their defaults, one tensor returned. ``None`` for
-        any other call, which the general path takes."""
+        same program and the same result: positional arguments only, each tensor argument a tpu tensor on one
+        chip (the same for all; a view is read as the general path reads it), Scalars at their defaults, one tensor
+        returned, a pointwise op's first tensor contiguous. ``None`` for any other call, which the general path
+        takes."""
         count = len(args)
-        arrays, device_index = [], None
+        arrays, views, device_index = [], [], None
         for index in tensor_indices:
             tensor = args[index] if index < count else None
             if tensor is None:
@@ -460,8 +461,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 device_index = buffer.device_index
             elif buffer.device_index != device_index:
                 return None
-            if type(array.sharding) is not storage.ONE_CHIP or not storage.holds_whole(tensor, buffer, array):
+            if type(array.sharding) is not storage.ONE_CHIP:
                 return None
+            if not storage.holds_whole(tensor, buffer, array):
+                if keeps_layout and index == first_tensor and not tensor.is_contiguous():  # its layout kept
+                    return None
+                views.append(((len(arrays), -1), storage.view_geometry(tensor, buffer)))
             arrays.append(array)
         for index, default in scalar_indices:
             if index < count and not _is_default(args[index], default):
@@ -470,10 +475,10 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             return None
         static_values = tuple([_frozen(args[index] if index < count else defaults[index])
                                for index in static_indices]) if static_indices else ()
-        contiguity = tuple([None if i >= count or args[i] is None else True for i in layout_indices]) \
-            if layout_indices else ()
-        result, _ = call(compile_for(_program_key(static_values, all_defaulted, (), None, contiguity)), arrays,
-                         device_index)
+        contiguity = tuple([None if i >= count or args[i] is None else args[i].is_contiguous()
+                            for i in layout_indices]) if layout_indices else ()
+        key = _program_key(static_values, all_defaulted, tuple(views), None, contiguity)
+        result, _ = call(compile_for(key), arrays, device_index)
         return _wrap(result, device_index)
 
     def call(fn: Callable, dynamic: list, recording_on: int | None) -> Any:
