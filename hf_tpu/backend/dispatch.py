@@ -440,15 +440,20 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     def record_plainly(args: tuple) -> torch.Tensor | None:
         """Fused eager mode's common call, recorded with less bookkeeping than the general path below, with the
         same program and the same result: positional arguments only, each tensor argument a tpu tensor on one
-        chip (the same for all; a view is read as the general path reads it), Scalars at their defaults, one tensor
-        returned, a pointwise op's first tensor contiguous. ``None`` for any other call, which the general path
-        takes."""
+        chip (the same for all; a view is read as the general path reads it, and a pointwise op's result keeps its
+        first input's layout as there) or a Python number, Scalars at their defaults or numbers of int8's range, one
+        tensor returned. ``None`` for any other call, which the general path takes."""
         count = len(args)
-        arrays, views, device_index = [], [], None
+        arrays, views, floats, device_index = [], [], [], None
         for index in tensor_indices:
             tensor = args[index] if index < count else None
             if tensor is None:
                 arrays.append(None)
+                continue
+            if tensor.__class__ is float or tensor.__class__ is int:  # the 2.5 of `x * 2.5`
+                if tensor.__class__ is float:
+                    floats.append(len(arrays))
+                arrays.append(tensor)
                 continue
             try:
                 buffer = tensor.untyped_storage()._hf_buffer
@@ -464,22 +469,37 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             if type(array.sharding) is not storage.ONE_CHIP:
                 return None
             if not storage.holds_whole(tensor, buffer, array):
-                if keeps_layout and index == first_tensor and not tensor.is_contiguous():  # its layout kept
-                    return None
                 views.append(((len(arrays), -1), storage.view_geometry(tensor, buffer)))
             arrays.append(array)
-        for index, default in scalar_indices:
-            if index < count and not _is_default(args[index], default):
-                return None
+        defaulted, given = all_defaulted, None
+        for position, (index, default) in enumerate(scalar_indices):
+            if index < count and not _is_default(value := args[index], default):
+                if value.__class__ is not int and value.__class__ is not float or not dtypes.fits_every_dtype(value):
+                    return None  # a tensor, or a number the general path tests for overflow
+                if given is None:
+                    given, defaulted = [], list(all_defaulted)
+                given.append(value)
+                defaulted[position] = False
         if device_index is None:  # factories: the general path places them
             return None
+        if floats or given:  # as the general path passes them: weakly-typed arrays of the op's width
+            dtype = None if dtype_arg is None else args[dtype_arg] if dtype_arg < count else defaults[dtype_arg]
+            wide = dtypes.needs_wide_scalars(arrays, dtype)
+            for slot in floats:
+                arrays[slot] = _scalar_array(arrays[slot], wide)
+            if given:
+                arrays += [_scalar_array(value, wide) for value in given]
+                defaulted = tuple(defaulted)
         static_values = tuple([_frozen(args[index] if index < count else defaults[index])
                                for index in static_indices]) if static_indices else ()
         contiguity = tuple([None if i >= count or args[i] is None else args[i].is_contiguous()
                             for i in layout_indices]) if layout_indices else ()
-        key = _program_key(static_values, all_defaulted, tuple(views), None, contiguity)
-        result, _ = call(compile_for(key), arrays, device_index)
-        return _wrap(result, device_index)
+        order = None
+        if views and keeps_layout and first_tensor is not None and first_tensor < count:
+            order = _memory_order(list(args) + defaults[count:], first_tensor, tensor_slots)
+        result, _ = call(compile_for(_program_key(static_values, defaulted, tuple(views), order, contiguity)), arrays,
+                         device_index)
+        return _wrap(result, device_index) if order is None else _wrap_in_order(result, order, device_index)
 
     def call(fn: Callable, dynamic: list, recording_on: int | None) -> Any:
         """``fn(*dynamic)``, or recorded on chip ``recording_on``; errors of shapes and dtypes that tracing the
