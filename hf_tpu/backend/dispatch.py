@@ -483,8 +483,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         if device_index is None:  # factories: the general path places them
             return None
         if floats or given:  # as the general path passes them: weakly-typed arrays of the op's width
-            dtype = None if dtype_arg is None else args[dtype_arg] if dtype_arg < count else defaults[dtype_arg]
-            wide = dtypes.needs_wide_scalars(arrays, dtype)
+            wide = wide_scalars(arrays, list(args) + defaults[count:])
             for slot in floats:
                 arrays[slot] = _scalar_array(arrays[slot], wide)
             if given:

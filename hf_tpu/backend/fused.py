@@ -102,10 +102,9 @@ class Recorded:
 
     def _finished(self) -> Any:
         chain = self.chain
-        if not chain.ran:
-            with _lock:
-                if chain is _chain and chain.ops:
-                    _restart(chain.device)
+        with _lock:  # a chain stops being the current one only by running (under the lock)
+            if chain is _chain:
+                _restart(chain.device)
         if chain.error is not None:
             raise RuntimeError(f"the fused eager chain this waits for failed ({chain.error})")
         return chain.finished
@@ -163,7 +162,6 @@ class _Chain:
         self.work = 0  # elements of the ops' results
         self.after_bound = False  # the chain before it ran at the size bound (see _ends_before)
         self.error: BaseException | None = None
-        self.ran = False
         self.finished: Any = None  # once it ran: its newest result array, if it has one (see Recorded)
 
     def ref(self, value: Any, signature: Any, used: list[int]) -> Any:
@@ -414,7 +412,6 @@ def _run(chain: _Chain) -> None:
     and evicted since runs op by op instead, each op's recorded trace a program of its own, as strict mode runs it:
     structures that come back in a cycle longer than the cache (a generate loop whose growing token tensors give
     every step a new structure) would otherwise build a program at each run."""
-    chain.ran = True
     live = [handle for op in chain.ops for ref in op.outputs if (handle := ref()) is not None]
     if not live and not chain.checks:
         _release(chain)

@@ -43,7 +43,7 @@ _lock = threading.Lock()
 _local = threading.local()  # .current: device index -> the thread's current stream, where one was set
 _side_streams_current = 0  # (thread, device) pairs whose current stream is not the default one
 _waiting_defaults: set[int] = set()  # devices whose default stream has events to wait for
-_in_flight: dict[int, set[Future]] = collections.defaultdict(set)  # queued copies per device
+_in_flight: dict[int, set[Any]] = collections.defaultdict(set)  # queued copies per device (futures, HostCopy)
 
 
 def _done(marker: Any) -> bool:
@@ -134,8 +134,8 @@ class Stream(torch._C.Stream):
         if self._worker is None:
             from . import storage
 
-            fused = sys.modules.get(f"{__package__}.fused")  # not imported before the device's first op
-            recorded = fused.recorded() if fused is not None and fused.ON else None
+            fused = _fused_on()
+            recorded = None if fused is None else fused.recorded()
             pending = () if recorded is None else (recorded,)
             copies = () if self._last_copy is None else (self._last_copy,)
             return (*storage.newest(self.device_index), *pending, *self._waits, *copies)
@@ -196,11 +196,17 @@ def set_stream(stream: torch.Stream | None) -> None:
             storage.stream_tracker = _track if _side_streams_current else None
 
 
+def _fused_on() -> Any:
+    """The fused eager module if fused mode is on, else None (it is not imported before the device's first op)."""
+    fused = sys.modules.get(f"{__package__}.fused")
+    return fused if fused is not None and fused.ON else None
+
+
 def _run_recorded() -> None:
     """Runs the ops fused eager mode recorded (a sync point): before the current stream changes, so that their work
     is the stream's that was current when they were issued, and before a stream's work is read."""
-    fused = sys.modules.get(f"{__package__}.fused")  # not imported before the device's first op
-    if fused is not None and fused.ON:
+    fused = _fused_on()
+    if fused is not None:
         fused.flush()
 
 
@@ -385,11 +391,11 @@ class HostCopy:
             value.copy_to_host_async()
 
     def is_ready(self) -> bool:
-        return self.finished or _do_host_copies(self, wait=False)
+        return self.finished or _run_host_copies(self, wait=False)
 
     def block_until_ready(self) -> None:
         if not self.finished:
-            _do_host_copies(self, wait=True)
+            _run_host_copies(self, wait=True)
         if self._error is not None:
             raise self._error
 
@@ -417,7 +423,7 @@ _host_copies: dict[int, collections.deque[HostCopy]] = collections.defaultdict(c
 _host_copies_lock = threading.RLock()
 
 
-def _do_host_copies(last: HostCopy, wait: bool, run_recorded: bool = True) -> bool:
+def _run_host_copies(last: HostCopy, wait: bool, run_recorded: bool = True) -> bool:
     """Does the host copies queued on ``last``'s chip, in order, up to ``last``; without ``wait``, only those whose
     values are computed (see :meth:`HostCopy._computed` for ``run_recorded``). Whether ``last`` is done."""
     with _host_copies_lock:
@@ -432,21 +438,26 @@ def _do_host_copies(last: HostCopy, wait: bool, run_recorded: bool = True) -> bo
     return True
 
 
-def queue_host_copy(stream: Stream, fill: Callable[[Any], None], value: Any) -> HostCopy:
+def queue_host_copy(stream: Stream, fill: Callable[[Any], None], value: Any) -> Any:
     """Queues a copy of ``value`` (a device array, or a value fused eager mode recorded) into pinned host memory on
-    the default ``stream``: ``fill(array)`` writes it, when something waits for it (see :class:`HostCopy`)."""
+    ``stream``: ``fill(array)`` writes it. On the default stream when something waits for it (see
+    :class:`HostCopy`), on another one on its worker (the value computed now); returns the copy's marker."""
+    if stream._worker is not None:
+        from . import fused
+
+        return queue_copy(stream, fill, fused.concrete(value))
     copy = HostCopy(fill, value, stream.device_index)
     with _host_copies_lock:
         queue = _host_copies[stream.device_index]
         if queue:  # the copies queued before whose values are computed now are done now, as on CUDA soon after
-            _do_host_copies(queue[-1], wait=False, run_recorded=False)
+            _run_host_copies(queue[-1], wait=False, run_recorded=False)
         queue.append(copy)
         _in_flight[stream.device_index].add(copy)
     stream._last_copy = copy
     return copy
 
 
-def do_host_copies(device_index: int) -> None:
+def finish_host_copies(device_index: int) -> None:
     """For a host sync (``.item()``): does the host copies queued on the chip's default stream, as CUDA's sync of
     the stream completes them."""
     queue = _host_copies.get(device_index)

@@ -168,12 +168,9 @@ def copy_(self, src, non_blocking=False):
         stream = streams.copy_stream(_device_index_of(src), into_pinned_host=queued)
         if stream is None:
             return self.copy_(to_host(src), non_blocking)
-        if queued and stream._worker is None:  # the default stream: queued without running the recorded ops
+        if queued:  # on the default stream without running the recorded ops
             streams.queue_host_copy(stream, functools.partial(_fill_host, self, src.dtype),
                                     storage.read(src, pending=True))
-            return self
-        if queued:
-            streams.queue_copy(stream, _fill_host, self, src.dtype, storage.read(src))
             return self
         return self.copy_(streams.run_copy(stream, to_host, src))
     check_no_internal_overlap(self)
@@ -283,7 +280,8 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     if stream is not None and non_blocking and target.type == "cpu":  # into pinned memory, as CUDA does
         host = torch.empty_strided(self.shape, stride or storage.contiguous_strides(tuple(self.shape)),
                                    dtype=dtype)
-        streams.queue_copy(stream, _fill_host, pinned.mark(host), self.dtype, storage.read(self))
+        streams.queue_host_copy(stream, functools.partial(_fill_host, pinned.mark(host), self.dtype),
+                                storage.read(self, pending=True))
         return host
     host = to_host(self) if stream is None else streams.run_copy(stream, to_host, self)
     if host.dtype != dtype:
@@ -323,7 +321,7 @@ def record_stream(self, s):
 @kernel("_local_scalar_dense")
 def _local_scalar_dense(self):
     checks.raise_pending()
-    streams.do_host_copies(_device_index_of(self))
+    streams.finish_host_copies(_device_index_of(self))
     return np.asarray(storage.read(self)).item()
 
 
