@@ -42,6 +42,26 @@ def test_torch_compile_without_a_backend_uses_tpu_for_tpu_inputs_only(monkeypatc
     torch.testing.assert_close(torch.compile(tpu_model.to("tpu"))(to_tpu(x)).cpu(), expected)
 
 
+def test_torch_compile_without_a_backend_reads_inductor_s_configuration_only_when_asked():
+    child = """
+import json, pickle, sys
+import torch
+compiled = torch.compile(torch.nn.Linear(4, 3).to("tpu"))
+compiled(torch.ones(2, 4, device="tpu"))
+imported = "torch._inductor.compile_fx" in sys.modules
+config = compiled.get_compiler_config()
+from torch._inductor.compile_fx import get_patched_config_dict
+expected = get_patched_config_dict(config_patches={})
+print(json.dumps({"imported": imported, "same": dict(config) == expected and config["max_autotune"] is False,
+                  "pickled": pickle.loads(pickle.dumps(config)) == expected}))
+"""
+    completed = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    # importing Inductor's compiler took 2 s of a new process's first torch.compile; a tpu model never uses it
+    assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"imported": False, "same": True,
+                                                                     "pickled": True}
+
+
 def _dropout_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).to("tpu")

@@ -1,15 +1,18 @@
-"""torch's caching precompile (``TORCH_CACHING_PRECOMPILE=1``) for tpu models (hf_tpu/integrations/dynamo.py):
-a second process installs what Dynamo made of an HF model's forward instead of tracing it.
+"""torch's caching precompile (``TORCH_CACHING_PRECOMPILE=1``) for tpu models (hf_tpu/integrations/dynamo.py): a
+second process installs what Dynamo made of an HF model's forward instead of tracing it, and every guard Dynamo
+made is kept: in the compiling process as it is, in the package as a check of the object its source finds.
 
-Each case is a fresh process sharing one cache directory: a tiny Llama built from a config, compiled for tpu,
-reports its logits or greedy tokens, the same computed on the CPU, how many frames Dynamo traced and how many
-saved packages it loaded.
+Each multi-process case is a fresh process sharing one cache directory: a tiny Llama built from a config, compiled
+for tpu, reports its logits or greedy tokens, the same computed on the CPU, how many frames Dynamo traced and how
+many saved packages it loaded.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -48,15 +51,21 @@ print(json.dumps({"results": results, "loaded": counters["dynamo_cache"]["dynamo
 """
 
 
-def _run(cache: str, *tasks: str) -> dict:
-    """One process running ``tasks`` (a sequence length: a compiled forward; ``generate``: static-cache greedy
-    decoding), each checked against the CPU, with torch's caching precompile on and its caches under ``cache``."""
+def _process(child: str, cache: str, *args: str) -> dict:
+    """The JSON that a fresh Python process running ``child`` prints last, with torch's caching precompile on
+    and the caches under ``cache``."""
     environment = {**os.environ, "HF_TPU_CACHE_DIR": os.path.join(cache, "xla"), "HF_HUB_OFFLINE": "1",
                    "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torch"), "TORCH_CACHING_PRECOMPILE": "1"}
-    completed = subprocess.run([sys.executable, "-c", _CHILD, *tasks], env=environment, capture_output=True,
+    completed = subprocess.run([sys.executable, "-c", child, *args], env=environment, capture_output=True,
                                text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    outcome = json.loads(completed.stdout.strip().splitlines()[-1])
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _run(cache: str, *tasks: str) -> dict:
+    """One process running ``tasks`` (a sequence length: a compiled forward; ``generate``: static-cache greedy
+    decoding), each checked against the CPU, with torch's caching precompile on and the caches under ``cache``."""
+    outcome = _process(_CHILD, cache, *tasks)
     for result in outcome["results"]:
         if "tokens" in result:
             assert result["tokens"] == result["expected"]
@@ -91,6 +100,78 @@ def test_generate_decode_steps_are_loaded_by_the_next_process(cold: tuple[str, d
     second = _run(cache, "generate")
     assert second["results"][0]["traced"] == 0 and second["loaded"] == 1
     assert second["results"][0]["tokens"] == first["tokens"]
+
+
+_HELPERS = """
+def act(x):
+    return x * 2
+
+
+def model(x):
+    return act(x) + 1
+"""
+
+_PATCHING_CHILD = r"""
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+sys.path.insert(0, sys.argv[1])
+import helpers
+if sys.argv[2] == "patched":
+    helpers.act = lambda x: x * 3
+value = torch.compile(helpers.model)(torch.ones(2).to("tpu")).cpu().tolist()
+print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
+                  "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def test_a_function_patched_before_a_process_compiles_is_traced_again_and_the_saved_compile_is_kept(
+        tmp_path: pathlib.Path) -> None:
+    (tmp_path / "helpers.py").write_text(_HELPERS)
+    cache = str(tmp_path / "cache")
+
+    def run(variant: str) -> tuple[list[float], int, int]:
+        outcome = _process(_PATCHING_CHILD, cache, str(tmp_path), variant)
+        return outcome["value"], outcome["traced"], outcome["loaded"]
+
+    assert run("plain") == ([3.0, 3.0], 1, 0)
+    assert run("plain") == ([3.0, 3.0], 0, 1)
+    # the loaded guard finds a lambda where act was: traced; its guard over a lambda cannot be saved
+    assert run("patched") == ([4.0, 4.0], 1, 1)
+    assert run("plain") == ([3.0, 3.0], 0, 1)  # the first compile is still in the package
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _uses_a_global(x: torch.Tensor) -> torch.Tensor:
+    return _doubled(x) + 1
+
+
+def test_the_compiling_process_keeps_the_guards_torch_would_drop(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where this compile's package goes
+    x = torch.ones(2).to("tpu")
+    with torch._dynamo.config.patch(caching_precompile=True):
+        compiled = torch.compile(_uses_a_global, backend="tpu")
+        assert compiled(x).cpu().tolist() == [3.0, 3.0]
+        monkeypatch.setattr(sys.modules[__name__], "_doubled", lambda x: x * 3)
+        assert compiled(x).cpu().tolist() == [4.0, 4.0]  # torch's precompile drops this guard: 3.0
+
+
+def test_a_saved_identity_guard_does_not_take_another_object_of_the_same_name() -> None:
+    from hf_tpu.integrations import dynamo
+
+    def act(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    stand_in = functools.wraps(_doubled)(lambda x: x * 3)
+    assert dynamo._fingerprint(_doubled) == dynamo._fingerprint(_doubled)
+    assert dynamo._fingerprint(stand_in) != dynamo._fingerprint(_doubled)  # same name, other code
+    assert dynamo._fingerprint(act.__code__) != dynamo._fingerprint(_doubled.__code__)
+    assert dynamo._fingerprint(torch.cat) != dynamo._fingerprint(torch.stack)
+    assert dynamo._fingerprint(torch.nn) == ("module", "torch.nn")
 
 
 def test_kernels_function_modules_are_saved_by_name() -> None:

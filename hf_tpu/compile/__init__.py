@@ -9,6 +9,7 @@ eager mode uses (plus the graph-mode lowerings of :mod:`.graph_ops` for views, f
 
 from __future__ import annotations
 
+import collections.abc
 import importlib.util
 import os
 from typing import Any
@@ -110,6 +111,37 @@ def _install_default_backend() -> None:
 
     compile_graph._hf_tpu = True
     inductor.__call__ = compile_graph
+    inductor.get_compiler_config = lambda wrapper: _InductorConfig(wrapper.config)
+
+
+class _InductorConfig(collections.abc.Mapping):
+    """What ``get_compiler_config()`` of a default ``torch.compile`` gives (Inductor's configuration with its
+    options), read when first looked at: reading it imports Inductor's compiler, 2 s of a new process's first
+    ``torch.compile`` on a small host, which a model on tpu never uses (``torch/__init__.py``,
+    ``_TorchCompileInductorWrapper.get_compiler_config``, called by every ``torch.compile``)."""
+
+    def __init__(self, patches: dict) -> None:
+        self._patches = dict(patches)
+        self._config: dict | None = None
+
+    def _read(self) -> dict:
+        if self._config is None:
+            from torch._inductor.compile_fx import get_patched_config_dict
+
+            self._config = get_patched_config_dict(config_patches=self._patches)
+        return self._config
+
+    def __getitem__(self, key: str) -> Any:
+        return self._read()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __reduce__(self) -> tuple:
+        return dict, (self._read(),)
 
 
 __all__ = ["compile_stats", "install", "reset_compile_stats", "tpu_backend"]
