@@ -10,6 +10,7 @@ eager mode uses (plus the graph-mode lowerings of :mod:`.graph_ops` for views, f
 from __future__ import annotations
 
 import collections.abc
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -122,26 +123,24 @@ class _InductorConfig(collections.abc.Mapping):
 
     def __init__(self, patches: dict) -> None:
         self._patches = dict(patches)
-        self._config: dict | None = None
 
-    def _read(self) -> dict:
-        if self._config is None:
-            from torch._inductor.compile_fx import get_patched_config_dict
+    @functools.cached_property
+    def _config(self) -> dict:
+        from torch._inductor.compile_fx import get_patched_config_dict
 
-            self._config = get_patched_config_dict(config_patches=self._patches)
-        return self._config
+        return get_patched_config_dict(config_patches=self._patches)
 
     def __getitem__(self, key: str) -> Any:
-        return self._read()[key]
+        return self._config[key]
 
     def __iter__(self) -> Any:
-        return iter(self._read())
+        return iter(self._config)
 
     def __len__(self) -> int:
-        return len(self._read())
+        return len(self._config)
 
     def __reduce__(self) -> tuple:
-        return dict, (self._read(),)
+        return dict, (self._config,)
 
 
 __all__ = ["compile_stats", "install", "reset_compile_stats", "tpu_backend"]
