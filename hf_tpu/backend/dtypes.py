@@ -152,7 +152,7 @@ def scalar_overflows(value: int | float, dtype: Any) -> bool:
     return not lowest_float <= value <= highest
 
 
-_WIDE = ("float64", "complex128")
+_WIDE = frozenset((np.dtype("float64"), np.dtype("complex128")))
 
 
 def needs_wide_scalars(operands: Any, result_dtype: torch.dtype | None = None) -> bool:
@@ -163,8 +163,10 @@ def needs_wide_scalars(operands: Any, result_dtype: torch.dtype | None = None) -
         return True
     for operand in operands:
         items = operand if isinstance(operand, tuple) else (operand,)
-        if any(getattr(item, "dtype", None) in _WIDE for item in items):
-            return True
+        for item in items:
+            dtype = getattr(item, "dtype", None)
+            if dtype is not None and dtype in _WIDE:  # a set: `in` a tuple would compare a dtype with each
+                return True
     return False
 
 

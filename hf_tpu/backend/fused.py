@@ -146,6 +146,7 @@ class _Chain:
 
     def __init__(self, device: int | None) -> None:
         self.device = device
+        self.sharding = None if device is None else runtime.one_chip(device)  # its results'
         self.ops: list[_Op] = []
         # The concrete values the chain reads, one slot each; but an array an op reads twice is two parameters of
         # the program, as in strict mode (XLA may compile an op differently when two of its operands are one value,
@@ -153,10 +154,10 @@ class _Chain:
         self.inputs: list[Any] = []
         self.input_slots: list[int] = []
         self.input_signatures: list[tuple] = []
-        # id(input) -> its first slot and its signature; inputs are kept alive. Not for numbers: which ones are
-        # equal (and so one cached array, or one small int) changes from step to step, the structure of the chain
-        # must not.
-        self.known: dict[int, tuple[int, tuple]] = {}
+        # id(input) -> its first slot and its signature; inputs are kept alive. A number's slot is not shared (None):
+        # which numbers are equal (and so one cached array, or one small int) changes from step to step, the
+        # structure of the chain must not.
+        self.known: dict[int, tuple[int | None, tuple]] = {}
         self.slots = 0
         self.checks = 0  # ops with a check output
         self.work = 0  # elements of the ops' results
@@ -174,14 +175,14 @@ class _Chain:
                     raise _failed(value)
                 return value.slot
             value = value.array
-        # not a number, nor a number's cached array (a weakly-typed scalar: equal numbers share one), see known
-        shared = len(signature) == 3 and (signature[0] or not signature[2])
-        known = self.known.get(id(value)) if shared else None
+        known = self.known.get(id(value))
         slot = None if known is None else known[0]
         if slot is None or slot in used:
             slot = self.slots
-            if shared and known is None:
-                self.known[id(value)] = (slot, signature)
+            if known is None:
+                # not a number, nor a number's cached array (a weakly-typed scalar: equal numbers share one)
+                shared = len(signature) == 3 and (signature[0] or not signature[2])
+                self.known[id(value)] = (slot if shared else None, signature)
             self.slots += 1
             self.inputs.append(value)
             self.input_slots.append(slot)
@@ -327,7 +328,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
                            for value in call])
         trace = _traces.get((fn, signature)) or _traced(fn, call, signature, pair, name)
         chain = _chain
-        bound = _ends_before(chain, trace)
+        bound = (len(chain.ops) >= MAX_OPS // 2 or chain.work >= MAX_WORK // 2) and _ends_before(chain, trace)
         if chain.device != device or bound:
             chain = _restart(device)
             chain.after_bound = bound
@@ -342,7 +343,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         op = _Op()
         op.trace, op.refs, op.first, op.name = trace, tuple(refs), chain.slots, name
         op.line = _user_line()
-        sharding = runtime.one_chip(device)
+        sharding = chain.sharding
         handles, op.outputs = [], []
         slot = chain.slots
         for shape, dtype, sig, size in trace.leaves:
@@ -355,7 +356,6 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         chain.slots = slot
         chain.ops.append(op)
         chain.work += trace.work
-        _stats["ops"] += 1
         if trace.check:
             chain.checks += 1
             if checks.MODE == "immediate":  # each failing op raises at once: run it now
@@ -403,6 +403,7 @@ def _restart(device: int | None) -> _Chain:
     global _chain
     previous, _chain = _chain, _Chain(device)
     if previous.ops:
+        _stats["ops"] += len(previous.ops)
         _run(previous)
     return _chain
 
@@ -583,12 +584,14 @@ def stats() -> dict[str, int]:
     (``program_hits``) and not (``program_misses``: built, or run op by op, ``op_by_op``, for a structure whose
     program was evicted); and now: ``programs`` cached, ``pending`` ops recorded and
     not run yet. A loop body recorded again and again settles to hits only."""
-    return {**_stats, "programs": len(_programs), "pending": len(_chain.ops)}
+    pending = len(_chain.ops)
+    return {**_stats, "ops": _stats["ops"] + pending, "programs": len(_programs), "pending": pending}
 
 
 def reset_stats() -> None:
     """Sets the counters of :func:`stats` back to zero (the cached programs stay)."""
     _stats.update(dict.fromkeys(_STATS, 0))
+    _stats["ops"] = -len(_chain.ops)  # ops are counted when their chain runs: the pending ones were recorded before
 
 
 checks.flush_recorded = flush

@@ -370,20 +370,18 @@ def buffer_of(tensor: torch.Tensor) -> Buffer:
 def is_whole(tensor: torch.Tensor, buffer: Buffer) -> bool:
     """Whether the tensor is its storage's array as is: same dtype, all of it, in order, no lazy
     conjugation or negation (``Tensor.conj()``/``_neg_view`` set bits instead of computing)."""
-    return (
-        tensor.dtype == buffer.dtype
-        and tensor.storage_offset() == 0
-        and tensor.numel() == buffer.numel
-        and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
+    return tensor.numel() == buffer.numel and _in_order(tensor, buffer)
 
 
 def holds_whole(tensor: torch.Tensor, buffer: Buffer, array: Any) -> bool:
     """Whether ``array`` (the storage's, or its pending value) is the tensor's values as they are: of its shape,
-    and the tensor all of its storage (:func:`is_whole`)."""
-    return array.shape == tensor.shape and is_whole(tensor, buffer)
+    and the tensor all of its storage (:func:`is_whole`; an array's size is its storage's)."""
+    return array.shape == tensor.shape and _in_order(tensor, buffer)
+
+
+def _in_order(tensor: torch.Tensor, buffer: Buffer) -> bool:
+    return (tensor.dtype is buffer.dtype and tensor.storage_offset() == 0 and tensor.is_contiguous()
+            and not tensor.is_neg() and not tensor.is_conj())
 
 
 def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:

@@ -256,6 +256,9 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     stride = _layout_for(self, memory_format)
     if self.device.type != "tpu":  # host -> device, converting on the host
         index = _index(target)
+        if self.numel() == 0:  # nothing to move (transformers' caches start as torch.tensor([], device=...))
+            dtypes.to_jax(dtype)  # a dtype the device cannot hold raises TypeError, as for a copy
+            return storage.empty(self.shape, dtype, index, stride)
         stream = streams.copy_stream(index)
         if stream is None:
             value = to_device(self, dtype, index)
