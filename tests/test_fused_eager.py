@@ -556,12 +556,13 @@ def test_ops_with_no_floating_point_value_run_unconditioned_in_a_chain():
 
 
 def common_calls(x, w, mask):
-    """Calls of the common kind (tensors, views too, Python numbers, Scalars at their defaults or small numbers;
-    torch hands arguments that are not keyword-only over by position) and calls that are not (a list, a
+    """Calls of the common kind (tensors, lists of them, views too, Python numbers, Scalars at their defaults or small
+    numbers; torch hands arguments that are not keyword-only over by position) and calls that are not (a
     keyword-only argument given, a Scalar tested for overflow, a CPU scalar tensor)."""
     plain = [x + w, torch.nn.functional.linear(x, w, None), x.sum(1), torch.where(mask, x, w), x.softmax(-1),
-             x[1:].sum(0), x.sum(dim=1, keepdim=True), x.t() * w, x * 2.5, x[1:] + 1, x.pow(2), torch.lerp(x, w, 0.25)]
-    other = [torch.cat([x, w]), torch.add(x, w, alpha=2), x.pow(1000), x * torch.tensor(2.0)]
+             x[1:].sum(0), x.sum(dim=1, keepdim=True), x.t() * w, x * 2.5, x[1:] + 1, x.pow(2), torch.lerp(x, w, 0.25),
+             torch.cat([x, w]), torch.stack([x.t(), w[1:].sum(0).expand(4, 4)])]
+    other = [torch.add(x, w, alpha=2), x.pow(1000), x * torch.tensor(2.0)]
     return plain + other
 
 
@@ -582,7 +583,7 @@ def test_common_calls_in_fused_mode_reuse_strict_modes_programs_and_results(monk
 
     monkeypatch.setattr(fused, "record", spy)
     fused_results = in_mode("fused", common_calls, *inputs)
-    assert recorded_by == ["record_plainly"] * 12 + ["run"] * 4, recorded_by
+    assert recorded_by == ["record_plainly"] * 15 + ["run"] * 3, recorded_by
     assert dispatch.eager_program_count() == programs
     assert_bitwise(fused_results, strict)
     assert_bitwise(fused_results, common_calls(x, w, x > 0))

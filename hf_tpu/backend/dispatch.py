@@ -352,6 +352,25 @@ def _refuse_as_cpu_does(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
         pass
 
 
+def _read_plainly(tensor: Any, position: tuple[int, int], views: list, chips: list) -> Any:
+    """What fused eager's plain path reads for a tensor argument (see ``record_plainly`` in :func:`build_kernel`): its
+    storage's array or pending value, with the view's geometry appended to ``views`` if it is not the whole of it,
+    and its chip appended to ``chips``; ``None`` for a tensor that is no tpu tensor on one chip."""
+    try:
+        buffer = tensor.untyped_storage()._hf_buffer
+    except AttributeError:  # a CPU tensor, a storage torch made again: the general path
+        return None
+    array = buffer.array
+    if array is None:
+        array = buffer.current()
+    if type(array.sharding) is not storage.ONE_CHIP:
+        return None
+    if not storage.holds_whole(tensor, buffer, array):
+        views.append((position, storage.view_geometry(tensor, buffer)))
+    chips.append(buffer.device_index)
+    return array
+
+
 def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., Any]:
     schema = op._schema
     arguments = list(schema.arguments)
@@ -429,48 +448,47 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         program = tpu_lowering.checked(op_name, jax.jit(traced, keep_unused=True))
         return runtime.waiting_if_interpreted(program) if entry.calls_kernels else program
 
-    # What a recorded call of the common kind needs (see record_plainly): tensor arguments by position, and the
-    # schema's defaults of the Scalars and of the static arguments past the positional ones.
-    plain = (not destinations and len(returns) == 1 and str(returns[0].type) == "Tensor" and not entry.calls_kernels
-             and all(kind != _TENSOR_LIST for _, _, kind in tensor_slots))
-    tensor_indices = [index for _, index, _ in tensor_slots]
+    # What a recorded call of the common kind needs (see record_plainly): tensor arguments by position (and whether
+    # each is a list), and the schema's defaults of the Scalars and of the static arguments past the positional ones.
+    plain = (not destinations and len(returns) == 1 and str(returns[0].type) == "Tensor" and not entry.calls_kernels)
+    tensor_places = [(index, kind == _TENSOR_LIST) for _, index, kind in tensor_slots]
     scalar_indices = [(index, default) for _, index, default in scalar_slots]
     all_defaulted = (True,) * len(scalar_slots)
 
     def record_plainly(args: tuple) -> torch.Tensor | None:
         """Fused eager mode's common call, recorded with less bookkeeping than the general path below, with the
-        same program and the same result: positional arguments only, each tensor argument a tpu tensor on one
-        chip (the same for all; a view is read as the general path reads it, and a pointwise op's result keeps its
-        first input's layout as there) or a Python number, Scalars at their defaults or numbers of int8's range, one
-        tensor returned. ``None`` for any other call, which the general path takes."""
+        same program and the same result: positional arguments only, each tensor argument (or list item) a tpu
+        tensor on one chip (the same for all; a view is read as the general path reads it, and a pointwise op's
+        result keeps its first input's layout as there) or a Python number, Scalars at their defaults or numbers of
+        int8's range, one tensor returned. ``None`` for any other call, which the general path takes."""
         count = len(args)
-        arrays, views, floats, device_index = [], [], [], None
-        for index in tensor_indices:
-            tensor = args[index] if index < count else None
-            if tensor is None:
+        arrays, views, floats, chips = [], [], [], []
+        for index, is_list in tensor_places:
+            value = args[index] if index < count else None
+            if value is None:
                 arrays.append(None)
-                continue
-            if tensor.__class__ is float or tensor.__class__ is int:  # the 2.5 of `x * 2.5`
-                if tensor.__class__ is float:
+            elif is_list:
+                items = []
+                for item, tensor in enumerate(value):
+                    array = None if tensor is None else _read_plainly(tensor, (len(arrays), item), views, chips)
+                    if array is None and tensor is not None:
+                        return None
+                    items.append(array)
+                arrays.append(tuple(items))
+            elif value.__class__ is float or value.__class__ is int:  # the 2.5 of `x * 2.5`
+                if value.__class__ is float:
                     floats.append(len(arrays))
-                arrays.append(tensor)
-                continue
-            try:
-                buffer = tensor.untyped_storage()._hf_buffer
-            except AttributeError:  # a number, a CPU tensor, a storage torch made again: the general path
-                return None
-            array = buffer.array
-            if array is None:
-                array = buffer.current()
-            if device_index is None:
-                device_index = buffer.device_index
-            elif buffer.device_index != device_index:
-                return None
-            if type(array.sharding) is not storage.ONE_CHIP:
-                return None
-            if not storage.holds_whole(tensor, buffer, array):
-                views.append(((len(arrays), -1), storage.view_geometry(tensor, buffer)))
-            arrays.append(array)
+                arrays.append(value)
+            else:
+                array = _read_plainly(value, (len(arrays), -1), views, chips)
+                if array is None:
+                    return None
+                arrays.append(array)
+        if not chips:  # factories: the general path places them
+            return None
+        device_index = chips[0]
+        if chips.count(device_index) != len(chips):
+            return None
         defaulted, given = all_defaulted, None
         for position, (index, default) in enumerate(scalar_indices):
             if index < count and not _is_default(value := args[index], default):
@@ -480,8 +498,6 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     given, defaulted = [], list(all_defaulted)
                 given.append(value)
                 defaulted[position] = False
-        if device_index is None:  # factories: the general path places them
-            return None
         if floats or given:  # as the general path passes them: weakly-typed arrays of the op's width
             wide = wide_scalars(arrays, list(args) + defaults[count:])
             for slot in floats:
