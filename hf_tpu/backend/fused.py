@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 import os
 import sys
 import threading
@@ -136,9 +137,13 @@ def _failed(value: Lazy) -> RuntimeError:
 
 class _Op:
     """One recorded call: ``trace`` (a :class:`_Trace`) of the values in slots ``refs`` (a tuple of slots for a list
-    argument), its result's leaves in slots from ``first`` on; ``outputs``: weak references to their values."""
+    argument), its result's leaves in slots from ``first`` on (their values' weak references in its chain's
+    ``outputs``)."""
 
-    __slots__ = ("trace", "refs", "first", "name", "line", "outputs")
+    __slots__ = ("trace", "refs", "first", "name", "line")
+
+
+_structure_of = operator.attrgetter("trace", "refs")  # an op's part of its chain's structure (see _run)
 
 
 class _Chain:
@@ -148,6 +153,7 @@ class _Chain:
         self.device = device
         self.sharding = None if device is None else runtime.one_chip(device)  # its results'
         self.ops: list[_Op] = []
+        self.outputs: list[weakref.ref] = []  # weak references to the ops' result values, in slot order
         # The concrete values the chain reads, one slot each; but an array an op reads twice is two parameters of
         # the program, as in strict mode (XLA may compile an op differently when two of its operands are one value,
         # e.g. divisions by one shared divisor as multiplications by its reciprocal).
@@ -289,7 +295,8 @@ def _exact(jaxpr: Any) -> bool:
 
 
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
-_internal_code: dict[int, tuple[Any, bool]] = {}  # id(code) -> (code, in torch or hf_tpu); a code object's hash is slow
+# id(code) -> (code, in torch or hf_tpu): the code is kept, so its id is not reused; a code object's hash is slow
+_internal_code: dict[int, tuple[Any, bool]] = {}
 
 
 def _user_line() -> tuple[Any, int] | None:
@@ -303,7 +310,7 @@ def _user_line() -> tuple[Any, int] | None:
     while frame is not None:
         code = frame.f_code
         known = _internal_code.get(id(code))
-        if known is None or known[0] is not code:
+        if known is None:
             known = _internal_code[id(code)] = (code, code.co_filename.startswith(_INTERNAL))
         if not known[1]:
             return code, frame.f_lasti
@@ -344,7 +351,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         op.trace, op.refs, op.first, op.name = trace, tuple(refs), chain.slots, name
         op.line = _user_line()
         sharding = chain.sharding
-        handles, op.outputs = [], []
+        handles, outputs = [], chain.outputs
         slot = chain.slots
         for shape, dtype, sig, size in trace.leaves:
             handle = Lazy()
@@ -352,7 +359,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
             handle.size, handle.sharding, handle.array, handle.chain = size, sharding, None, chain
             slot += 1
             handles.append(handle)
-            op.outputs.append(weakref.ref(handle))
+            outputs.append(weakref.ref(handle))
         chain.slots = slot
         chain.ops.append(op)
         chain.work += trace.work
@@ -413,12 +420,12 @@ def _run(chain: _Chain) -> None:
     and evicted since runs op by op instead, each op's recorded trace a program of its own, as strict mode runs it:
     structures that come back in a cycle longer than the cache (a generate loop whose growing token tensors give
     every step a new structure) would otherwise build a program at each run."""
-    live = [handle for op in chain.ops for ref in op.outputs if (handle := ref()) is not None]
+    live = list(filter(None, map(operator.call, chain.outputs)))  # the values still referenced (a Lazy is true)
     if not live and not chain.checks:
         _release(chain)
         return
     live_slots = tuple(handle.slot for handle in live)
-    key = (tuple((op.trace, op.refs) for op in chain.ops), tuple(chain.input_slots),
+    key = (tuple(map(_structure_of, chain.ops)), tuple(chain.input_slots),
            tuple(chain.input_signatures), live_slots)
     program = _programs.get(key)
     if program is None:
@@ -482,7 +489,7 @@ def _run_op(op: _Op, values: dict[int, Any]) -> Any:
 
 def _release(chain: _Chain) -> None:
     """A chain that ran keeps no inputs and no ops."""
-    chain.ops, chain.inputs, chain.known = [], [], {}
+    chain.ops, chain.outputs, chain.inputs, chain.known = [], [], [], {}
 
 
 def _resolve(refs: tuple, values: Any) -> list:
