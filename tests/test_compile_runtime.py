@@ -242,3 +242,20 @@ def test_objects_the_process_froze_itself_are_left_frozen():
         assert 0 < seen <= frozen and 0 < gc.get_freeze_count() <= frozen  # none frozen, none unfrozen
     finally:
         gc.unfreeze()
+
+
+def test_a_transferred_tensor_a_compiled_graph_updates_in_place_leaves_a_device_sync_working():
+    """A tensor just copied to the device and then updated in place by a compiled graph gives its array to the graph's
+    program; waiting for the device's work then waits for that program, not for the array it consumed."""
+    x = torch.randn(512, 512)
+
+    @torch.compile(backend="tpu")
+    def bump(t):
+        t.add_(1)
+        return t.sum()
+
+    on_tpu = x.to("tpu")
+    total = bump(on_tpu)
+    torch.tpu.synchronize()
+    assert torch.equal(on_tpu.cpu(), x + 1)
+    assert torch.allclose(total.cpu(), (x + 1).sum())

@@ -46,8 +46,11 @@ def is_latest(array: Any) -> int:
 
 def newest(device_index: int) -> tuple:
     """The newest computed array and the newest transferred array of a device, those that exist:
-    waiting for both waits for all the work queued on it."""
-    return tuple(a for a in (_latest.get(device_index), _transfers.get(device_index)) if a is not None)
+    waiting for both waits for all the work queued on it. One donated to a program since (a compiled graph's,
+    which wrote its results into its memory) is left out: that program read it, and its results, recorded here
+    when it ran, are waited for instead."""
+    return tuple(a for a in (_latest.get(device_index), _transfers.get(device_index))
+                 if a is not None and not a.is_deleted())
 
 
 def computed(array: Any, device_index: int) -> None:
