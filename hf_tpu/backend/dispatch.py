@@ -470,8 +470,11 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             elif is_list:
                 items = []
                 for item, tensor in enumerate(value):
-                    array = None if tensor is None else _read_plainly(tensor, (len(arrays), item), views, chips)
-                    if array is None and tensor is not None:
+                    if tensor is None:
+                        items.append(None)
+                        continue
+                    array = _read_plainly(tensor, (len(arrays), item), views, chips)
+                    if array is None:
                         return None
                     items.append(array)
                 arrays.append(tuple(items))

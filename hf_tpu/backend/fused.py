@@ -363,6 +363,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
         chain.slots = slot
         chain.ops.append(op)
         chain.work += trace.work
+        _stats["ops"] += 1
         if trace.check:
             chain.checks += 1
             if checks.MODE == "immediate":  # each failing op raises at once: run it now
@@ -410,7 +411,6 @@ def _restart(device: int | None) -> _Chain:
     global _chain
     previous, _chain = _chain, _Chain(device)
     if previous.ops:
-        _stats["ops"] += len(previous.ops)
         _run(previous)
     return _chain
 
@@ -591,14 +591,12 @@ def stats() -> dict[str, int]:
     (``program_hits``) and not (``program_misses``: built, or run op by op, ``op_by_op``, for a structure whose
     program was evicted); and now: ``programs`` cached, ``pending`` ops recorded and
     not run yet. A loop body recorded again and again settles to hits only."""
-    pending = len(_chain.ops)
-    return {**_stats, "ops": _stats["ops"] + pending, "programs": len(_programs), "pending": pending}
+    return {**_stats, "programs": len(_programs), "pending": len(_chain.ops)}
 
 
 def reset_stats() -> None:
     """Sets the counters of :func:`stats` back to zero (the cached programs stay)."""
     _stats.update(dict.fromkeys(_STATS, 0))
-    _stats["ops"] = -len(_chain.ops)  # ops are counted when their chain runs: the pending ones were recorded before
 
 
 checks.flush_recorded = flush
