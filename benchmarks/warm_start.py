@@ -6,16 +6,17 @@ under ``torch.no_grad()`` (Dynamo tracing, AOTAutograd or its cache, lowering, X
 load, one run), in wall seconds and in process CPU seconds (less sensitive to a busy host), and the wall seconds of
 ``torch.compile(model)`` and that call together (``with compile``: where a saved Dynamo package is loaded). Rows:
 
-- ``tpu cold``: empty caches (``HF_TPU_CACHE_DIR`` and torch's ``TORCHINDUCTOR_CACHE_DIR``);
-- ``tpu warm``: both caches warm: AOTAutograd's result and the XLA program are loaded, Dynamo traces;
-- ``tpu warm, XLA cache only``: what a second process got before the warm-start cache (the AOTAutograd
-  cache off with ``TORCHINDUCTOR_AUTOGRAD_CACHE=0``): Dynamo and AOTAutograd trace again;
-- ``tpu precompile cold / warm``: torch's caching precompile on (``TORCH_CACHING_PRECOMPILE=1``, its own
-  caches): the warm process installs what Dynamo made of the forward when ``torch.compile`` wraps it and traces
-  nothing (``hf_tpu/integrations/dynamo.py``); the cold one also writes that package;
-- ``tpu precompile warm, no backend``: the same, compiled as users write it, ``torch.compile(model)``
-  (Inductor's wrapper, which sends tpu graphs to hf_tpu; reading its configuration is put off, since that
-  imports Inductor's compiler);
+- ``tpu cold``: empty caches (``HF_TPU_CACHE_DIR`` and torch's ``TORCHINDUCTOR_CACHE_DIR``); it writes what
+  Dynamo made of the forward (torch's caching precompile, on by default in a process using tpu:
+  ``hf_tpu/integrations/dynamo.py``), AOTAutograd's result and the XLA program;
+- ``tpu warm``: the default a second process gets: Dynamo's package is installed when ``torch.compile`` wraps the
+  forward, nothing is traced, and the XLA program is loaded;
+- ``tpu warm, no backend``: the same, compiled as users write it, ``torch.compile(model)`` (Inductor's wrapper,
+  which sends tpu graphs to hf_tpu; reading its configuration is put off, since that imports Inductor's compiler);
+- ``tpu warm, Dynamo traces``: the package off (``TORCH_CACHING_PRECOMPILE=0``, its own caches): Dynamo traces,
+  AOTAutograd's result and the XLA program are loaded (the default before 2026-12-04);
+- ``tpu warm, XLA cache only``: the AOTAutograd cache off too (``TORCHINDUCTOR_AUTOGRAD_CACHE=0``): Dynamo and
+  AOTAutograd trace again;
 - ``cpu eager backend``: Dynamo alone (``backend="eager"`` runs its graph as it is), what a cache below
   Dynamo leaves; but a process that never ran a tpu op, so Python's collector is not held back during its
   compile as it is in the tpu rows (``hf_tpu/compile/frozen_heap.py``, about half a second here);
@@ -83,14 +84,14 @@ def main() -> None:
     args = parser.parse_args()
     rows = {}
     with (tempfile.TemporaryDirectory() as tpu_cache, tempfile.TemporaryDirectory() as cpu_cache,
-          tempfile.TemporaryDirectory() as precompile_cache):
+          tempfile.TemporaryDirectory() as traced_cache):
         rows["tpu cold"] = measure("tpu", "tpu", tpu_cache)
         rows["tpu warm"] = best(args.runs, "tpu", "tpu", tpu_cache)
-        rows["tpu warm, XLA cache only"] = best(args.runs, "tpu", "tpu", tpu_cache, TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-        rows["tpu precompile cold"] = measure("tpu", "tpu", precompile_cache, TORCH_CACHING_PRECOMPILE="1")
-        rows["tpu precompile warm"] = best(args.runs, "tpu", "tpu", precompile_cache, TORCH_CACHING_PRECOMPILE="1")
-        rows["tpu precompile warm, no backend"] = best(args.runs, "tpu", "default", precompile_cache,
-                                                       TORCH_CACHING_PRECOMPILE="1")
+        rows["tpu warm, no backend"] = best(args.runs, "tpu", "default", tpu_cache)
+        measure("tpu", "tpu", traced_cache, TORCH_CACHING_PRECOMPILE="0")  # fills its AOTAutograd and XLA caches
+        rows["tpu warm, Dynamo traces"] = best(args.runs, "tpu", "tpu", traced_cache, TORCH_CACHING_PRECOMPILE="0")
+        rows["tpu warm, XLA cache only"] = best(args.runs, "tpu", "tpu", traced_cache, TORCH_CACHING_PRECOMPILE="0",
+                                                TORCHINDUCTOR_AUTOGRAD_CACHE="0")
         rows["cpu eager backend"] = best(args.runs, "cpu", "eager", cpu_cache)
         if not args.no_inductor:
             rows["cpu inductor cold"] = measure("cpu", "inductor", cpu_cache)
@@ -103,24 +104,22 @@ def main() -> None:
                   else f"{'-':>19} {'-':>11}")
         print(f"{name:<32} {result['wall']:7.2f} {result['cpu']:7.2f} {result['with_compile']:13.2f} "
               f"{result['packages']:>14} {loaded}")
-    cold, before, warm = rows["tpu cold"], rows["tpu warm, XLA cache only"], rows["tpu warm"]
-    precompiled = rows["tpu precompile warm"]
+    cold, traced, before, warm = (rows[name] for name in ("tpu cold", "tpu warm, Dynamo traces",
+                                                          "tpu warm, XLA cache only", "tpu warm"))
     tpu_rows = [result for name, result in rows.items() if name.startswith("tpu")]
     if len({result["checksum"] for result in tpu_rows}) != 1:
         raise SystemExit("a warm start changed the logits")
-    for name in ("tpu precompile warm", "tpu precompile warm, no backend"):
+    for name in ("tpu warm", "tpu warm, no backend"):
         if not rows[name]["packages"]:
             print(f"({name} loaded no Dynamo package)")
-    if not warm["warm_starts"]:
-        print("(the warm row missed the AOTAutograd cache: hf_tpu's sources changed between the runs)")
-    print(f"\ntpu warm / cold: {warm['wall'] / cold['wall']:.2f}x; warm / warm with the XLA cache only: "
-          f"{warm['wall'] / before['wall']:.2f}x (cpu {warm['cpu'] / before['cpu']:.2f}x)")
+    if not traced["warm_starts"]:
+        print("(the traced row missed the AOTAutograd cache: hf_tpu's sources changed between the runs)")
+    print(f"\ntpu warm / cold: {warm['wall'] / cold['wall']:.2f}x; warm / warm with Dynamo tracing: "
+          f"{warm['wall'] / traced['wall']:.2f}x; / warm with the XLA cache only: {warm['wall'] / before['wall']:.2f}x")
     print(f"tpu warm / cpu eager backend (Dynamo alone): {warm['wall'] / rows['cpu eager backend']['wall']:.2f}x")
     if not args.no_inductor:
         print(f"tpu warm / cpu inductor warm: {warm['wall'] / rows['cpu inductor warm']['wall']:.2f}x")
-    print(f"tpu precompile warm / tpu warm: {precompiled['wall'] / warm['wall']:.2f}x first call, "
-          f"{precompiled['with_compile'] / warm['with_compile']:.2f}x with torch.compile")
-    for name in ("tpu warm", "tpu precompile warm", "tpu precompile warm, no backend"):
+    for name in ("tpu warm", "tpu warm, no backend"):
         result = rows[name]
         verdict = "met" if result["with_compile"] <= GOAL_SECONDS else "not met"
         print(f"goal: {name}, torch.compile and first call <= {GOAL_SECONDS:.1f} s: {verdict} "

@@ -91,9 +91,15 @@ def bert_dir(tmp_path_factory):
 
 
 @pytest.fixture
-def fresh_dynamo():
-    """Dynamo's caches and hf_tpu's compile counters start empty and are cleared afterwards."""
+def fresh_dynamo(tmp_path, monkeypatch):
+    """Dynamo's caches and hf_tpu's compile counters start empty and are cleared afterwards; Dynamo's saved
+    packages (torch's caching precompile, on once a process uses tpu) go to the test's own directory, so that a
+    function compiled by an earlier test (``Sequential.forward``, say) is traced, not loaded."""
+    from torch._dynamo import package
+
     from hf_tpu.compile import reset_compile_stats
+
+    monkeypatch.setattr(package.DynamoCache, "path_prefix", lambda: str(tmp_path / "dynamo"))
 
     torch._dynamo.reset()
     reset_compile_stats()

@@ -51,11 +51,13 @@ print(json.dumps({"results": results, "loaded": counters["dynamo_cache"]["dynamo
 """
 
 
-def _process(child: str, cache: str, *args: str) -> dict:
-    """The JSON that a fresh Python process running ``child`` prints last, with torch's caching precompile on
-    and the caches under ``cache``."""
+def _process(child: str, cache: str, *args: str, **settings: str) -> dict:
+    """The JSON that a fresh Python process running ``child`` prints last, with the caches under ``cache``
+    (torch's caching precompile as hf_tpu sets it unless ``settings`` say otherwise)."""
     environment = {**os.environ, "HF_TPU_CACHE_DIR": os.path.join(cache, "xla"), "HF_HUB_OFFLINE": "1",
-                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torch"), "TORCH_CACHING_PRECOMPILE": "1"}
+                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torch")}
+    environment.pop("TORCH_CACHING_PRECOMPILE", None)
+    environment.update(settings)
     completed = subprocess.run([sys.executable, "-c", child, *args], env=environment, capture_output=True,
                                text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -119,7 +121,8 @@ sys.path.insert(0, sys.argv[1])
 import helpers
 if sys.argv[2] == "patched":
     helpers.act = lambda x: x * 3
-value = torch.compile(helpers.model)(torch.ones(2).to("tpu")).cpu().tolist()
+x = torch.ones(2).to("tpu")  # the device used before torch.compile: its package is kept
+value = torch.compile(helpers.model)(x).cpu().tolist()
 print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
                   "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
 """
@@ -201,14 +204,15 @@ def test_tpu_packages_are_written_when_recorded_unless_the_cache_is_off(monkeypa
 
     writes = []
     monkeypatch.setattr(PrecompileContext, "record_dynamo_cache_entry", lambda **_: None)
-    monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", lambda: writes.append(1) or {})
+    monkeypatch.setattr(package.PrecompileCacheEntry, "from_cache_entry", lambda entry, backends: entry)
+    monkeypatch.setattr(package.DynamoCache, "write", lambda entry, key: writes.append((entry.fn_name, key)))
     package.DynamoCache.record_package(_Package("cpu"))
     assert writes == []
     package.DynamoCache.record_package(_Package("tpu"))
-    assert writes == [1]
+    assert writes == [("Model.forward", "model-forward")]  # this package only
     monkeypatch.setattr(runtime, "compilation_cache_dir", lambda: None)
     package.DynamoCache.record_package(_Package("tpu"))
-    assert writes == [1]
+    assert len(writes) == 1
 
 
 def test_a_package_that_cannot_be_written_warns_and_the_compile_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,9 +223,119 @@ def test_a_package_that_cannot_be_written_warns_and_the_compile_goes_on(monkeypa
         raise OSError("disk full")
 
     monkeypatch.setattr(PrecompileContext, "record_dynamo_cache_entry", lambda **_: None)
-    monkeypatch.setattr(PrecompileContext, "save_to_dynamo_cache", fail)
+    monkeypatch.setattr(package.PrecompileCacheEntry, "from_cache_entry", lambda entry, backends: entry)
+    monkeypatch.setattr(package.DynamoCache, "write", lambda entry, key: fail())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         package.DynamoCache.record_package(_Package("tpu"))
     assert any("could not save Model.forward" in str(warning.message) and "disk full" in str(warning.message)
                for warning in caught)
+
+
+_DEFAULT_CHILD = r"""
+import json
+import torch
+config = torch._dynamo.config
+before = config.caching_precompile
+torch.ones(1).to("tpu")
+print(json.dumps({"before": before, "after": config.caching_precompile}))
+"""
+
+
+@pytest.mark.parametrize("setting, expected", [({}, True), ({"TORCH_CACHING_PRECOMPILE": "0"}, False),
+                                               ({"HF_TPU_CACHE_DIR": "off"}, False)])
+def test_on_once_the_device_is_used_unless_turned_off(tmp_path: pathlib.Path, setting: dict, expected: bool) -> None:
+    assert _process(_DEFAULT_CHILD, str(tmp_path), **setting) == {"before": False, "after": expected}
+
+
+_MODULES = """
+import torch
+
+
+class Doubling(torch.nn.Module):
+    @property
+    def finish(self):
+        torch._dynamo.graph_break()  # the getter is then compiled as a frame of its own
+        return torch.neg
+
+    def forward(self, x):
+        return self.finish(x * 2)
+
+
+def inner(x):
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1
+
+
+def outer(x):
+    return inner(x) - 1
+"""
+
+_MODULES_CHILD = r"""
+import json, sys
+import torch
+from torch._dynamo import package
+from torch._dynamo.utils import counters
+sys.path.insert(0, sys.argv[1])
+import modules
+if sys.argv[2] == "failing install":  # the package's last guards cannot be rebuilt, after its others were installed
+    load = package.load_guard_manager
+    calls = []
+    def failing_last(state, code, *args):
+        calls.append(code)
+        if code.co_name.startswith("torch_dynamo_resume_in_inner"):
+            raise IndexError("list index out of range")
+        return load(state, code, *args)
+    package.load_guard_manager = failing_last
+x = torch.arange(3.0).to("tpu")
+values = {"property": torch.compile(modules.Doubling(), backend="tpu")(x).cpu().tolist(),
+          "nested": [torch.compile(modules.outer, backend="tpu")(x).cpu().tolist() for _ in range(2)]}
+print(json.dumps({"values": values, "traced": counters["stats"]["unique_graphs"],
+                  "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def test_a_property_compiled_on_its_own_and_a_package_that_fails_to_install_leave_compiles_working(
+        tmp_path: pathlib.Path) -> None:
+    (tmp_path / "modules.py").write_text(_MODULES)
+    cache = str(tmp_path / "cache")
+    expected = {"property": [-0.0, -2.0, -4.0], "nested": [[0.0, 2.0, 4.0]] * 2}
+
+    def run(variant: str) -> tuple[dict, int, int]:
+        outcome = _process(_MODULES_CHILD, cache, str(tmp_path), variant)
+        return outcome["values"], outcome["traced"], outcome["loaded"]
+
+    values, traced, loaded = run("plain")
+    assert values == expected and traced > 0 and loaded == 1  # outer's second compile loads what its first saved
+    values, traced, loaded = run("plain")
+    assert values == expected and traced == 0 and loaded >= 2  # the packages loaded: nothing traced
+    values, traced, loaded = run("failing install")  # the nested function's install undone with its package's
+    assert values == expected and traced > 0
+
+
+_COUNTING_CHILD = r"""
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import modules
+calls = []
+def counting(graph_module, inputs):
+    calls.append(1)
+    return graph_module
+x = torch.arange(3.0).to("tpu")
+value = torch.compile(modules.inner, backend=counting if sys.argv[2] == "counting" else "tpu")(x).cpu().tolist()
+print(json.dumps({"value": value, "backend_calls": len(calls)}))
+"""
+
+
+def test_only_compiles_for_tpu_keep_a_package_by_default(tmp_path: pathlib.Path) -> None:
+    """A package stands in for the backend in later compiles of the same function: another backend's (a debugging
+    or counting one) is not saved, and a tpu package is not loaded for it."""
+    (tmp_path / "modules.py").write_text(_MODULES)
+    cache = str(tmp_path / "cache")
+    for backend in ("counting", "tpu", "counting"):
+        outcome = _process(_COUNTING_CHILD, cache, str(tmp_path), backend)
+        assert outcome["value"] == [1.0, 3.0, 5.0]
+        assert outcome["backend_calls"] == (2 if backend == "counting" else 0)
+    assert os.listdir(os.path.join(cache, "torch", "dynamo"))

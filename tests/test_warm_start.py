@@ -3,7 +3,8 @@
 Each case is a fresh process sharing one cache directory with the others: a tiny Llama built from a config
 runs an inference forward and a training step (forward and backward) under ``torch.compile(backend="tpu")``,
 and reports its logits and gradients, the same computed eagerly on the CPU, and how many ATen graphs it
-loaded instead of traced (``compile_stats()["warm_starts"]``).
+loaded instead of traced (``compile_stats()["warm_starts"]``), with torch's caching precompile off (its package,
+on by default, would skip this layer: ``test_dynamo_precompile.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _run(cache: str, misses: bool = False) -> dict:
     """One process's results (each checked against the CPU), with its caches under ``cache``; with ``misses``,
     also a new shape and, after ``torch._dynamo.reset()``, the same graph under another version tag."""
     environment = {**os.environ, "HF_TPU_CACHE_DIR": os.path.join(cache, "xla"), "HF_HUB_OFFLINE": "1",
-                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torch")}
+                   "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "torch"),
+                   "TORCH_CACHING_PRECOMPILE": "0"}  # the layer below torch's package, which would skip it
     completed = subprocess.run([sys.executable, "-c", _CHILD, "misses" if misses else ""], env=environment,
                                capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr[-3000:]

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 logger = logging.getLogger("hf_tpu")
 
@@ -220,7 +220,20 @@ def devices() -> tuple[Any, ...]:
     from .guard import watch_forks
 
     watch_forks()
+    for callback in _FIRST_USE:
+        callback()
     return tuple(found)
+
+
+_FIRST_USE: list[Callable[[], None]] = []
+
+
+def when_first_used(callback: Callable[[], None]) -> None:
+    """Calls ``callback()`` when this process first uses the device (at once if it has)."""
+    if devices.cache_info().currsize:
+        callback()
+    else:
+        _FIRST_USE.append(callback)
 
 
 def device(index: int) -> Any:

@@ -1,12 +1,16 @@
-"""torch._dynamo (checked against torch 2.13): what its caching precompile (``TORCH_CACHING_PRECOMPILE=1``) needs
-to keep an HF model's compiled forward across processes without losing a guard, so that a new process skips
-Dynamo's tracing.
+"""torch._dynamo (checked against torch 2.13): its caching precompile, on in every process that uses the device,
+so that a new process skips Dynamo's tracing of an HF model's compiled forward, without losing a guard.
 
-With that switch on, torch keeps what Dynamo made of a compiled function (its bytecode, guards and the
-backend's AOTAutograd entries) in ``TORCHINDUCTOR_CACHE_DIR/dynamo``, keyed by the function's qualified name and
-first line, and installs it when ``torch.compile`` wraps the same function in a new process (the sources of the
-functions it inlined are checked first: an edited one drops the package).
+With ``torch._dynamo.config.caching_precompile`` on, torch keeps what Dynamo made of a compiled function (its
+bytecode, guards and the backend's AOTAutograd entries) in ``TORCHINDUCTOR_CACHE_DIR/dynamo``, keyed by the
+function's qualified name and first line, and installs it when ``torch.compile`` wraps the same function, in a
+new process or again in this one (the sources of the functions it inlined are checked first: an edited one drops
+the package).
 
+- **On by default where the device is used**: torch leaves it off unless ``TORCH_CACHING_PRECOMPILE=1``; it is
+  turned on when the process first uses the device, so a ``torch.compile`` made after that keeps its package
+  (a process that never uses tpu is left as torch has it). ``TORCH_CACHING_PRECOMPILE=0``, ``HF_TPU_CACHE_DIR=off``
+  or torch's ``force_disable_caches`` leave it off.
 - **Every guard kept** (``torch/_dynamo/guards.py``, ``CheckFunctionManager.__init__``): torch drops the guards
   it cannot save while precompile is on (identity guards: on globals, closures, classes, modules), in the
   compiling process too, so a function patched after the first call was not traced again. Here the compiling
@@ -22,10 +26,21 @@ functions it inlined are checked first: an edited one drops the package).
   entries, in later processes too. A package that cannot be installed (a saved value missing, say) is undone
   and fails as torch's recovery expects (``CompilePackage.install``: a ``RuntimeError``, after which torch
   starts the package again, empty), so the function is traced.
-
-It stays the user's switch: turned on in every process using tpu, it failed 41 of the test suite's 2,859 tests
-(saved values torch 2.13 cannot rebuild: a tensor's gradient, transformers' output recorders, kernels' generated
-modules, process groups; tests expecting a second ``torch.compile`` of a function to call the backend).
+- **Functions a package cannot name** (``CompilePackage._add_user_function``): a frame Dynamo compiles on its own
+  (after a graph break) whose function torch cannot find by name, a property's getter such as transformers'
+  ``loss_function``, failed the compile (``PackageError``). It is compiled and left out of the package, which
+  then traces it in the next process.
+- **Names a package installs** (``CompilePackage._install_global``): a loaded package puts its resume functions
+  in their module under the names the saving process drew (``__resume_at_60_2``), and a frame of that module
+  traced afterwards drew the same name from this process's counter ("Name '__resume_at_60_2' already exists
+  in scope"): the counter moves past each loaded name here. A name installed twice in a module (an import two
+  of the package's functions share) was listed twice, so undoing a failed install removed it twice
+  (``KeyError``) and left the package half installed; and undoing it removed a name that was there before
+  (an import that code traced in this process uses: ``NameError``). A name is listed here only when the
+  package put it there, once; a name that holds another function already fails the install (it is undone and
+  the function traced) rather than replace that function under its callers; and an undone install
+  also removes what it gave the package's nested functions (torch resets only the compiled function's own code,
+  so the next call of a nested function ran a loaded entry whose globals were gone: ``NameError``).
 
 For an HF model it fails four more ways, each changed here where the failure is (a no-op for everything else),
 plus when to write:
@@ -47,9 +62,10 @@ plus when to write:
   package puts its globals (``__builtins_dict___0``) in the module, and a frame traced afterwards in the same
   module (a recompile for another input shape) draws the same name from a counter that starts again in each
   process ("Name '__builtins_dict___0' already exists in scope"). Names already in the module are skipped here.
-- **When to write**: torch writes packages only when asked (``torch.compiler.save_cache_artifacts()``); a package
-  holding a tpu graph is written as soon as Dynamo records it (``DynamoCache.record_package``), unless
-  ``HF_TPU_CACHE_DIR=off``, so the next process finds it without a call.
+- **When to write**: torch writes packages only when asked (``torch.compiler.save_cache_artifacts()``, every
+  package recorded so far); a package holding a tpu graph is written as soon as Dynamo records it
+  (``DynamoCache.record_package``), that package alone, unless ``HF_TPU_CACHE_DIR=off``, so the next process
+  finds it without a call.
 """
 
 
@@ -60,6 +76,7 @@ import enum
 import functools
 import importlib
 import inspect
+import itertools
 import logging
 import os
 import pickle
@@ -87,6 +104,25 @@ def install(dynamo: types.ModuleType) -> None:
     _patch(package.CompilePackage, "install", _undone_when_it_fails)
     _patch(package.CompilePackage, "add_guarded_code", _leaving_out_unsaved_compiles)
     _patch(guards.CheckFunctionManager, "serialize_guards", _saving_identity_guards_by_fingerprint)
+    _patch(package.CompilePackage, "_add_user_function", _leaving_out_functions_it_cannot_name)
+    _patch(package.CompilePackage, "_install_global", _listing_each_name_once_past_the_counter)
+    _patch(importlib.import_module("torch._dynamo.eval_frame"), "_optimize", _only_for_backends_that_run_on_tpu)
+    from ..backend import runtime
+
+    runtime.when_first_used(_on_in_processes_using_tpu)
+
+
+def _on_in_processes_using_tpu() -> None:
+    """Turns torch's caching precompile on once the process uses the device, unless the user chose
+    (``TORCH_CACHING_PRECOMPILE`` set, either way) or turned disk caches off (``HF_TPU_CACHE_DIR=off``,
+    torch's ``force_disable_caches``)."""
+    from ..backend import runtime
+
+    compiler_config = importlib.import_module("torch.compiler.config")
+    if ("TORCH_CACHING_PRECOMPILE" in os.environ or runtime.compilation_cache_dir() is None
+            or compiler_config.force_disable_caches):
+        return
+    importlib.import_module("torch._dynamo.config").caching_precompile = True
 
 
 def _patch(owner: Any, name: str, change: Callable[[Callable], Callable]) -> None:
@@ -169,14 +205,17 @@ def _written_when_recorded(original: Callable) -> Callable:
         original(package)
         from ..backend import runtime
 
-        if package.cache_entry().device_type != "tpu" or runtime.compilation_cache_dir() is None:
+        entry = package.cache_entry()
+        if entry.device_type != "tpu" or runtime.compilation_cache_dir() is None:
             return
+        from torch._dynamo import package as packages
         from torch._dynamo.precompile_context import PrecompileContext
 
-        try:
-            PrecompileContext.save_to_dynamo_cache()
+        try:  # this package only: torch's save_to_dynamo_cache writes every package recorded so far, each time
+            saved = packages.PrecompileCacheEntry.from_cache_entry(entry, PrecompileContext._backend_artifacts_by_key)
+            packages.DynamoCache.write(saved, package.source_id)
         except Exception as error:  # the compiled function runs on; only the next process traces it again
-            warnings.warn(f"hf_tpu: torch's caching precompile could not save {package.cache_entry().fn_name} "
+            warnings.warn(f"hf_tpu: torch's caching precompile could not save {entry.fn_name} "
                           f"({type(error).__name__}: {error}); the next process traces it again.", stacklevel=2)
     return record_package
 
@@ -222,6 +261,70 @@ def _leaving_out_unsaved_compiles(original: Callable) -> Callable:
         if guards_state != _NOT_SAVED:
             original(self, guards_state, dynamo_code)
     return add_guarded_code
+
+
+def _only_for_backends_that_run_on_tpu(original: Callable) -> Callable:
+    def _optimize(rebuild_ctx: Any, backend: Any = "inductor", *args: Any, **kwargs: Any) -> Any:
+        config = importlib.import_module("torch._dynamo.config")
+        if config.caching_precompile and "TORCH_CACHING_PRECOMPILE" not in os.environ and not _runs_on_tpu(backend):
+            with config.patch(caching_precompile=False):
+                return original(rebuild_ctx, backend, *args, **kwargs)
+        return original(rebuild_ctx, backend, *args, **kwargs)
+    return _optimize
+
+
+def _runs_on_tpu(backend: Any) -> bool:
+    """Whether ``torch.compile``'s ``backend`` sends tpu graphs to hf_tpu: ``"tpu"``, or Inductor (which hands
+    them on); a package made with any other backend would stand in for it in later compiles."""
+    from ..compile import tpu_backend
+
+    name = backend if isinstance(backend, str) else getattr(backend, "compiler_name", None)
+    return name in ("tpu", "inductor") or getattr(backend, "compiler_fn", backend) is tpu_backend
+
+
+def _leaving_out_functions_it_cannot_name(original: Callable) -> Callable:
+    def _add_user_function(self: Any, code: types.CodeType) -> None:
+        from torch._dynamo.exc import PackageError
+
+        try:
+            original(self, code)
+        except PackageError as error:  # a property's getter, say: compiled, but left out of the package
+            _log.info("hf_tpu: a function is left out of its package (%s)", error)
+            module = inspect.getmodule(code) or sys.modules[self._innermost_fn.__module__]
+            self._add_function(code, module.__name__)
+            self._codes[code].bypassed = True
+    return _add_user_function
+
+
+def _listing_each_name_once_past_the_counter(original: Callable) -> Callable:
+    def _install_global(self: Any, module: types.ModuleType, name: str, value: Any) -> None:
+        if name in self._installed_globals.get(module, ()):
+            module.__dict__[name] = value
+        elif name in module.__dict__:  # not listed as this package's: undoing the install leaves the name
+            if _another_function(module.__dict__[name], value):
+                raise RuntimeError(f"{module.__name__}.{name} is another function in this process")
+            module.__dict__[name] = value
+        else:
+            original(self, module, name, value)
+        _draw_later_names_past(name)
+    return _install_global
+
+
+def _another_function(existing: Any, value: Any) -> bool:
+    """Whether a name a package installs holds another function already (a resume function this process drew
+    the same name for before loading the package): the package is then not installed, rather than have that
+    function's callers run the package's."""
+    return (isinstance(existing, types.FunctionType) and isinstance(value, types.FunctionType)
+            and existing.__code__ != value.__code__)
+
+
+def _draw_later_names_past(name: str) -> None:
+    """Moves the counter of Dynamo's generated names (``unique_id``) past a loaded name's number, so that a frame
+    this process traces does not draw the name a package put in the same module (``__resume_at_60_2``)."""
+    number = name.rpartition("_")[2]
+    if number.isdigit():
+        names = importlib.import_module("torch._dynamo.bytecode_transformation")
+        names._unique_id_counter = itertools.count(max(next(names._unique_id_counter), int(number) + 1))
 
 
 def _saved_form(builder: Any, guard: Any) -> Any:
@@ -301,7 +404,23 @@ def _undone_when_it_fails(original: Callable) -> Callable:
             original(self, backends)
         except Exception as error:  # a saved value missing here, say: Dynamo traces the function instead
             self.uninstall()
+            _forget_entries_of_every_code(self)
             self._initialized = False  # torch's recovery initializes the package again, empty
             raise RuntimeError(f"hf_tpu: a saved Dynamo package cannot be installed in this process "
                                f"({type(error).__name__}: {error})") from error
     return install
+
+
+def _forget_entries_of_every_code(package: Any) -> None:
+    """Removes what a failed install gave each of the package's functions (torch's ``uninstall`` resets only the
+    compiled function's own code, so a nested function kept entries that call globals it removed)."""
+    from torch._C._dynamo.eval_frame import _reset_precompile_entries
+    from torch._dynamo.package import _lookup_code
+
+    for code, entry in package._codes.items():
+        _reset_precompile_entries(code)
+        if entry.code_source:
+            try:
+                _reset_precompile_entries(_lookup_code(entry))
+            except (AttributeError, KeyError, AssertionError):  # the function is not there: nothing was installed
+                pass
