@@ -10,7 +10,13 @@ the package).
 - **On by default where the device is used**: torch leaves it off unless ``TORCH_CACHING_PRECOMPILE=1``; it is
   turned on when the process first uses the device, so a ``torch.compile`` made after that keeps its package
   (a process that never uses tpu is left as torch has it). ``TORCH_CACHING_PRECOMPILE=0``, ``HF_TPU_CACHE_DIR=off``
-  or torch's ``force_disable_caches`` leave it off.
+  or torch's ``force_disable_caches`` leave it off, and so does a torchrun launch (``WORLD_SIZE`` set). Only a
+  compile whose backend reaches hf_tpu (``eval_frame._optimize``: ``"tpu"``, or Inductor) and that is not
+  ``fullgraph=True`` keeps a package: a package stands in for the backend in later compiles of the function,
+  and torch 2.13 raises "found no compiled frames" when a loaded entry serves a ``fullgraph`` call.
+- **A package whose sources cannot be checked** (``CompilePackage.initialize``): a module a saved source check
+  names that this process lacks (kernels' generated ones) raised ``ModuleNotFoundError`` from ``torch.compile``;
+  it fails as torch's recovery expects (``RuntimeError``), and the function is traced.
 - **Every guard kept** (``torch/_dynamo/guards.py``, ``CheckFunctionManager.__init__``): torch drops the guards
   it cannot save while precompile is on (identity guards: on globals, closures, classes, modules), in the
   compiling process too, so a function patched after the first call was not traced again. Here the compiling
@@ -102,6 +108,7 @@ def install(dynamo: types.ModuleType) -> None:
     _patch(package.DynamoCache, "record_package", _written_when_recorded)
     _patch(guards.CheckFunctionManager, "__init__", _keeping_every_guard)
     _patch(package.CompilePackage, "install", _undone_when_it_fails)
+    _patch(package.CompilePackage, "initialize", _failing_as_torch_recovers)
     _patch(package.CompilePackage, "add_guarded_code", _leaving_out_unsaved_compiles)
     _patch(guards.CheckFunctionManager, "serialize_guards", _saving_identity_guards_by_fingerprint)
     _patch(package.CompilePackage, "_add_user_function", _leaving_out_functions_it_cannot_name)
@@ -114,13 +121,14 @@ def install(dynamo: types.ModuleType) -> None:
 
 def _on_in_processes_using_tpu() -> None:
     """Turns torch's caching precompile on once the process uses the device, unless the user chose
-    (``TORCH_CACHING_PRECOMPILE`` set, either way) or turned disk caches off (``HF_TPU_CACHE_DIR=off``,
-    torch's ``force_disable_caches``)."""
+    (``TORCH_CACHING_PRECOMPILE`` set, either way), turned disk caches off (``HF_TPU_CACHE_DIR=off``, torch's
+    ``force_disable_caches``) or the process is one of a torchrun launch (``WORLD_SIZE``: its warm runs crashed in
+    ``init_device_mesh``, not understood yet)."""
     from ..backend import runtime
 
     compiler_config = importlib.import_module("torch.compiler.config")
-    if ("TORCH_CACHING_PRECOMPILE" in os.environ or runtime.compilation_cache_dir() is None
-            or compiler_config.force_disable_caches):
+    if ("TORCH_CACHING_PRECOMPILE" in os.environ or "WORLD_SIZE" in os.environ
+            or runtime.compilation_cache_dir() is None or compiler_config.force_disable_caches):
         return
     importlib.import_module("torch._dynamo.config").caching_precompile = True
 
@@ -266,7 +274,8 @@ def _leaving_out_unsaved_compiles(original: Callable) -> Callable:
 def _only_for_backends_that_run_on_tpu(original: Callable) -> Callable:
     def _optimize(rebuild_ctx: Any, backend: Any = "inductor", *args: Any, **kwargs: Any) -> Any:
         config = importlib.import_module("torch._dynamo.config")
-        if config.caching_precompile and "TORCH_CACHING_PRECOMPILE" not in os.environ and not _runs_on_tpu(backend):
+        if (config.caching_precompile and "TORCH_CACHING_PRECOMPILE" not in os.environ
+                and (kwargs.get("nopython") or not _runs_on_tpu(backend))):
             with config.patch(caching_precompile=False):
                 return original(rebuild_ctx, backend, *args, **kwargs)
         return original(rebuild_ctx, backend, *args, **kwargs)
@@ -409,6 +418,20 @@ def _undone_when_it_fails(original: Callable) -> Callable:
             raise RuntimeError(f"hf_tpu: a saved Dynamo package cannot be installed in this process "
                                f"({type(error).__name__}: {error})") from error
     return install
+
+
+def _failing_as_torch_recovers(original: Callable) -> Callable:
+    def initialize(self: Any, fn: Any, dynamo: Any = None, *args: Any, **kwargs: Any) -> None:
+        try:
+            original(self, fn, dynamo, *args, **kwargs)
+        except RuntimeError:
+            raise
+        except Exception as error:  # a module a saved source check names is gone (kernels' generated ones)
+            if dynamo is None:
+                raise
+            raise RuntimeError(f"hf_tpu: a saved Dynamo package cannot be used in this process "
+                               f"({type(error).__name__}: {error})") from error
+    return initialize
 
 
 def _forget_entries_of_every_code(package: Any) -> None:
