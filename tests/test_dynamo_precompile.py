@@ -18,6 +18,7 @@ import subprocess
 import sys
 import types
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -128,14 +129,17 @@ print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
 """
 
 
+def _value_traced_loaded(child: str, tmp_path: pathlib.Path, variant: str) -> tuple[Any, int, int]:
+    """What a fresh process running ``child`` over the modules in ``tmp_path`` computed, how many graphs it
+    traced and how many packages it loaded (its caches in ``tmp_path/cache``)."""
+    outcome = _process(child, str(tmp_path / "cache"), str(tmp_path), variant)
+    return outcome["value"], outcome["traced"], outcome["loaded"]
+
+
 def test_a_function_patched_before_a_process_compiles_is_traced_again_and_the_saved_compile_is_kept(
         tmp_path: pathlib.Path) -> None:
     (tmp_path / "helpers.py").write_text(_HELPERS)
-    cache = str(tmp_path / "cache")
-
-    def run(variant: str) -> tuple[list[float], int, int]:
-        outcome = _process(_PATCHING_CHILD, cache, str(tmp_path), variant)
-        return outcome["value"], outcome["traced"], outcome["loaded"]
+    run = functools.partial(_value_traced_loaded, _PATCHING_CHILD, tmp_path)
 
     assert run("plain") == ([3.0, 3.0], 1, 0)
     assert run("plain") == ([3.0, 3.0], 0, 1)
@@ -281,17 +285,15 @@ sys.path.insert(0, sys.argv[1])
 import modules
 if sys.argv[2] == "failing install":  # the package's last guards cannot be rebuilt, after its others were installed
     load = package.load_guard_manager
-    calls = []
-    def failing_last(state, code, *args):
-        calls.append(code)
+    def failing_for_inners_resume(state, code, *args):
         if code.co_name.startswith("torch_dynamo_resume_in_inner"):
             raise IndexError("list index out of range")
         return load(state, code, *args)
-    package.load_guard_manager = failing_last
+    package.load_guard_manager = failing_for_inners_resume
 x = torch.arange(3.0).to("tpu")
-values = {"property": torch.compile(modules.Doubling(), backend="tpu")(x).cpu().tolist(),
-          "nested": [torch.compile(modules.outer, backend="tpu")(x).cpu().tolist() for _ in range(2)]}
-print(json.dumps({"values": values, "traced": counters["stats"]["unique_graphs"],
+value = {"property": torch.compile(modules.Doubling(), backend="tpu")(x).cpu().tolist(),
+         "nested": [torch.compile(modules.outer, backend="tpu")(x).cpu().tolist() for _ in range(2)]}
+print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
                   "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
 """
 
@@ -299,12 +301,8 @@ print(json.dumps({"values": values, "traced": counters["stats"]["unique_graphs"]
 def test_a_property_compiled_on_its_own_and_a_package_that_fails_to_install_leave_compiles_working(
         tmp_path: pathlib.Path) -> None:
     (tmp_path / "modules.py").write_text(_MODULES)
-    cache = str(tmp_path / "cache")
+    run = functools.partial(_value_traced_loaded, _MODULES_CHILD, tmp_path)
     expected = {"property": [-0.0, -2.0, -4.0], "nested": [[0.0, 2.0, 4.0]] * 2}
-
-    def run(variant: str) -> tuple[dict, int, int]:
-        outcome = _process(_MODULES_CHILD, cache, str(tmp_path), variant)
-        return outcome["values"], outcome["traced"], outcome["loaded"]
 
     values, traced, loaded = run("plain")
     assert values == expected and traced > 0 and loaded == 1  # outer's second compile loads what its first saved
