@@ -11,9 +11,12 @@ installed when kernels is imported).
 
 Where kernels and huggingface_hub read their settings: huggingface_hub reads ``HF_HOME`` / ``HF_HUB_CACHE`` /
 ``HF_HUB_OFFLINE`` into ``huggingface_hub.constants`` when it is imported, and kernels reads those constants
-at each call; kernels reads ``KERNELS_CACHE`` once when imported (the snapshot directory) but again at each
-call for ``version=`` lookups, and ``LOCAL_KERNELS`` at each call. Tests therefore patch the constants
-(and the environment, for what reads it later) and leave ``KERNELS_CACHE`` unset.
+at each call; kernels 0.17 reads ``KERNELS_CACHE`` once when imported (the snapshot directory) but again at each
+call for ``version=`` lookups (0.18 on: always at each call), and ``LOCAL_KERNELS`` at each call. Tests therefore
+patch the constants (and the environment, for what reads it later) and leave ``KERNELS_CACHE`` unset.
+
+kernels 0.19 moved its modules under ``kernels._internals``; the tests reach them through
+:func:`hf_tpu.integrations.kernels.internal_module`, and run against 0.17.2, 0.18.3 and 0.19.1.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import uuid
@@ -37,6 +41,7 @@ from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
 from huggingface_hub.file_download import _cache_commit_hash_for_specific_revision, _create_symlink, repo_folder_name
 from huggingface_hub.hf_api import RepoFolder
 from huggingface_hub.utils.sha import git_hash
+from packaging.version import Version
 from torch import nn
 
 import kernels
@@ -53,6 +58,9 @@ from kernels import (
 )
 
 from hf_tpu.integrations import kernels as kernels_integration
+from hf_tpu.integrations.kernels import internal_module
+
+KERNELS = Version(kernels.__version__)
 
 # --- Fixture kernel sources ------------------------------------------------------------------------------
 # kernels imports a repository's package under its metadata id, which every written repository gets anew, so
@@ -217,8 +225,10 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.delenv("KERNELS_CACHE", raising=False)
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
-    monkeypatch.setattr(kernels.resolver, "CACHE_DIR", None)  # KERNELS_CACHE as read at import
-    monkeypatch.setattr(kernels.layer.layer, "_CACHED_LAYER", {})
+    resolver = internal_module(kernels, "resolver")
+    if hasattr(resolver, "CACHE_DIR"):  # kernels 0.17: KERNELS_CACHE as read at import
+        monkeypatch.setattr(resolver, "CACHE_DIR", None)
+    monkeypatch.setattr(internal_module(kernels, "layer.layer"), "_CACHED_LAYER", {})
     return cache
 
 
@@ -328,7 +338,7 @@ def test_layer_repository_with_pinned_revision_kernelizes_for_tpu(hub_cache, sou
 
 
 def test_kernelize_without_device_uses_the_tpu_of_the_parameters(hub_cache, sources):
-    assert hasattr(torch.backends, "tpu") and kernels.backends._backend().name == "tpu"
+    assert hasattr(torch.backends, "tpu") and internal_module(kernels, "backends")._backend().name == "tpu"
     repos = {"RMSNorm": LocalLayerRepository(repo_path=sources["norm"], layer_name="RMSNorm")}
     reference, model = cpu_and_tpu_models()
     with use_kernel_mapping(layer_mapping(repos), inherit_mapping=False):
@@ -428,19 +438,28 @@ def test_environment_variables_set_before_import(tmp_path, sources):
 
 
 def test_missing_repository_offline(hub_cache):
-    assert not kernels.has_kernel("hf-tpu-test/missing", revision="main")
+    commit = new_commit()
+    assert not kernels.has_kernel("hf-tpu-test/missing", revision=commit)
     with pytest.raises(FileNotFoundError) as raised:
-        get_kernel("hf-tpu-test/missing", revision="main")
+        get_kernel("hf-tpu-test/missing", revision=commit)
     message = str(raised.value)
-    for part in ("'hf-tpu-test/missing' (revision: main) is not in the local Hub cache", str(hub_cache),
+    for part in (f"'hf-tpu-test/missing' (revision: {commit}) is not in the local Hub cache", str(hub_cache),
                  "HF_HUB_OFFLINE unset", 'LOCAL_KERNELS="hf-tpu-test/missing=/path/to/repo"'):
         assert part in message, message
     # kernels' own message for a version that the offline cache has no ref for is already clear
     with pytest.raises(ValueError, match="not available in the local cache.*Download the kernel while online"):
         get_kernel("hf-tpu-test/missing", version=1)
+    # a branch name: kernels 0.17 looks the snapshot up under it (hf_tpu's message), 0.18 on first resolves the
+    # name to a commit from the cache's refs, and says so as clearly as for a version
+    if KERNELS < Version("0.18"):
+        with pytest.raises(FileNotFoundError, match="'hf-tpu-test/missing' .revision: main. is not in the local"):
+            get_kernel("hf-tpu-test/missing", revision="main")
+    else:
+        with pytest.raises(ValueError, match="Cannot resolve revision 'main'.*Download the kernel while online"):
+            get_kernel("hf-tpu-test/missing", revision="main")
 
     _, model = cpu_and_tpu_models()
-    repo = LayerRepository("hf-tpu-test/missing", layer_name="RMSNorm", revision="main")
+    repo = LayerRepository("hf-tpu-test/missing", layer_name="RMSNorm", revision=commit)
     with use_kernel_mapping({"RMSNorm": {"tpu": repo}}, inherit_mapping=False):
         with pytest.raises(FileNotFoundError, match="not in the local Hub cache"):
             kernelize(model, device="tpu", mode=Mode.INFERENCE)
@@ -474,15 +493,27 @@ def test_repository_without_tpu_build(hub_cache, sources):
     (Mode.INFERENCE | Mode.TORCH_COMPILE, None, "can_torch_compile is not True"),
 ])
 def test_kernel_layer_that_does_not_support_the_mode(hub_cache, sources, mode, registered, flag):
+    """Before kernels 0.19 kernelize's refusal names neither the layer nor the reason (hf_tpu's message does), and a
+    layer registered for a mode it lacks is refused even with use_fallback=True (hf_tpu's message says how to
+    register it). kernels 0.19 names both itself, and falls back for the registered layer as use_fallback says."""
     layer_name = "EagerSiluAndMul" if Mode.TORCH_COMPILE in mode else "SiluAndMul"
     repos = {"SiluAndMul": LocalLayerRepository(repo_path=sources["norm"], layer_name=layer_name)}
     reference, model = cpu_and_tpu_models()
     with use_kernel_mapping(layer_mapping(repos, {"SiluAndMul": registered} if registered else None),
                             inherit_mapping=False):
-        expected = "Register it only for the modes it supports" if registered else "use_fallback=True"
-        with pytest.raises(ValueError, match=expected) as raised:
-            kernelize(model, device="tpu", mode=mode, use_fallback=registered is not None)
-        assert flag in str(raised.value) and f"`{layer_name}`" in str(raised.value)
+        if KERNELS >= Version("0.19") and registered:
+            kernelize(model, device="tpu", mode=mode, use_fallback=True)
+            assert not uses_kernel(model.act, "SiluAndMul.forward")
+        elif KERNELS >= Version("0.19"):
+            reason = "backward" if Mode.TRAINING in mode else "torch.compile"
+            with pytest.raises(ValueError, match=f"does not support {reason}, needed for mode") as raised:
+                kernelize(model, device="tpu", mode=mode, use_fallback=False)
+            assert f"layer `{layer_name}`" in str(raised.value) and raised.value.__cause__ is None  # kernels' own
+        else:
+            expected = "Register it only for the modes it supports" if registered else "use_fallback=True"
+            with pytest.raises(ValueError, match=expected) as raised:
+                kernelize(model, device="tpu", mode=mode, use_fallback=registered is not None)
+            assert flag in str(raised.value) and f"`{layer_name}`" in str(raised.value)
         if registered is None:  # by default kernels keeps the module's own forward in that mode
             kernelize(model, device="tpu", mode=mode)
             assert not uses_kernel(model.act, "SiluAndMul.forward")
@@ -538,15 +569,15 @@ def test_trust_remote_code(hub_cache, sources, monkeypatch, caplog):
     commit = new_commit()
     put_in_hub_cache(hub_cache, "untrusted-org/tiny-layers", sources["norm"], commit)
     # Offline, kernels cannot ask the Hub about the publisher: it loads the cached kernel and says so.
-    with caplog.at_level(logging.WARNING, logger="kernels.hf_hub"):
+    with caplog.at_level(logging.WARNING, logger=internal_module(kernels, "hf_hub").__name__):
         get_kernel("untrusted-org/tiny-layers", revision="main")
     assert "Skipping publisher trust check for 'untrusted-org/tiny-layers'" in caplog.text
 
     # Online, a publisher the Hub does not mark trusted is refused before anything is downloaded ...
     hub = CachedHub()
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(kernels.hf_hub, "_get_hf_api", lambda *args, **kwargs: hub)
-    monkeypatch.setattr(kernels.load, "_get_hf_api", lambda *args, **kwargs: hub)
+    for module in ("hf_hub", "load"):
+        monkeypatch.setattr(internal_module(kernels, module), "_get_hf_api", lambda *args, **kwargs: hub)
     with pytest.raises(ValueError, match="not from a trusted publisher. Set trust_remote_code=True or add the"):
         get_kernel("untrusted-org/tiny-layers", revision=commit)
     _, model = cpu_and_tpu_models()
@@ -571,9 +602,41 @@ def test_trust_remote_code(hub_cache, sources, monkeypatch, caplog):
         torch.testing.assert_close(model(x.to("tpu")).cpu(), reference(x), atol=1e-5, rtol=1e-5)
 
 
+@use_kernel_forward_from_hub("Doubled")
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+def test_function_modules_are_named_in_the_module_of_their_function():
+    """kernels defines the module class it makes of a function inside a function; hf_tpu names it in the
+    function's module, so that the class pickles and torch's caching precompile can save guards on it. The
+    instance pickles by the function's name (kernels 0.18 on), and an identity guard on it (kernels 0.18 on
+    take one in use_kernelized_func's forward) is saved by that name."""
+    from hf_tpu.integrations import dynamo
+
+    module_class = type(doubled)
+    assert (module_class.__module__, module_class.__qualname__) == (__name__, "_hf_tpu_Func_doubled")
+    assert getattr(sys.modules[__name__], module_class.__qualname__) is module_class
+    assert pickle.loads(pickle.dumps(module_class)) is module_class
+    if KERNELS >= Version("0.18"):
+        assert pickle.loads(pickle.dumps(doubled)) is doubled
+    assert dynamo._kept_by_fingerprint(doubled) and dynamo._fingerprint(doubled)[2] == "doubled"
+    assert not dynamo._kept_by_fingerprint(module_class())  # another instance: no name holds it
+    torch.testing.assert_close(doubled(torch.ones(2, device="tpu")).cpu(), torch.full((2,), 2.0))
+
+
 def test_installed_with_kernels_and_idempotent():
-    wrapped = kernels.resolver.resolve_hub_cache_kernel
+    resolver = internal_module(kernels, "resolver")
+    wrapped = resolver.resolve_hub_cache_kernel
     assert getattr(wrapped, "_hf_tpu_bridge", False)  # by the integration, when kernels was imported
     kernels_integration.install(kernels)
-    assert kernels.resolver.resolve_hub_cache_kernel is wrapped
-    assert wrapped.__wrapped__.__module__ == "kernels.resolver"
+    assert resolver.resolve_hub_cache_kernel is wrapped
+    assert wrapped.__wrapped__.__module__ == resolver.__name__
+    # what later releases removed is wrapped where it exists: the mode check before 0.19, the version lookup in 0.17
+    layer = internal_module(kernels, "layer.layer")
+    assert hasattr(layer, "_validate_layer_has_mode") == (KERNELS < Version("0.19"))
+    assert hasattr(layer, "select_revision_or_version") == (KERNELS < Version("0.18"))
+    for name in ("_validate_layer_has_mode", "select_revision_or_version", "_conditionally_replace_forward",
+                 "_create_func_module"):
+        if hasattr(layer, name):
+            assert getattr(getattr(layer, name), "_hf_tpu_bridge", False), name

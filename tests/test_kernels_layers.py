@@ -5,7 +5,11 @@ tpu and on cpu; a model that does not ask for kernels is left alone."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
+import json
+import logging
 import sys
 import types
 
@@ -109,13 +113,13 @@ def test_from_pretrained_with_use_kernels_on_tpu(llamas, tmp_path):
 
 
 def test_transformers_kernelize_function_on_tpu(llamas):
-    """transformers 5.24 has no ``model.kernelize()`` method; its function ``hub_kernels.kernelize(model)`` (what
+    """transformers has no ``model.kernelize()`` method; its function ``hub_kernels.kernelize(model, mode)`` (what
     ``set_use_kernels`` calls) picks the tpu mapping from the model's device."""
     from transformers.integrations import hub_kernels
 
     cpu, _, _ = llamas
     model = copy.deepcopy(cpu).to("tpu")
-    hub_kernels.kernelize(model)
+    hub_kernels.kernelize(model, mode=Mode.INFERENCE)
     _assert_kernelized(model)
     with torch.no_grad():
         torch.testing.assert_close(model(IDS.to("tpu")).logits.cpu(), cpu(IDS).logits, **CLOSE)
@@ -181,6 +185,21 @@ def test_activation_layers_match_torch_on_cpu(name):
     torch.testing.assert_close(grad.cpu(), torch.autograd.grad(expected.sum(), x)[0], **CLOSE)
 
 
+@pytest.mark.parametrize("repository", sorted(set(hub.LAYERS.values())))
+def test_repositories_record_the_digest_of_their_files(repository, caplog):
+    """kernels 0.19 checks a build's files against the digest its metadata.json records (files that differ fail
+    the load; without a digest it warns); 0.17 and 0.18 ignore it. After editing a repository's package, write
+    the new sha256 (base64) of each file there."""
+    variant = hub.REPOSITORIES / repository / "build" / "torch-tpu"
+    files = {path.relative_to(variant).as_posix(): base64.b64encode(hashlib.sha256(path.read_bytes()).digest()).decode()
+             for path in variant.rglob("*") if path.is_file() and path.name != "metadata.json"
+             and "__pycache__" not in path.parts}
+    assert json.loads((variant / "metadata.json").read_text())["digest"] == {"algorithm": "sha256", "files": files}
+    with caplog.at_level(logging.WARNING):
+        kernels.get_local_kernel(hub.REPOSITORIES / repository)
+    assert "digest" not in caplog.text
+
+
 def test_bad_inputs_are_refused_with_what_to_do():
     module = activations.SiLUActivation()
     with kernels.use_kernel_mapping(tpu_mapping()):
@@ -219,14 +238,17 @@ def test_registering_after_transformers_imported_its_hub_kernels_warns_and_chang
 
 
 def test_rms_norms_with_another_formula_keep_their_forward_on_tpu():
-    """Olmo2's RMSNorm scales before the final cast: on tpu it keeps its own forward, Llama's takes the kernel;
-    on cpu the condition decides as upstream (True)."""
+    """Olmo2's RMSNorm scales before the final cast: marked "RMSNorm" (as transformers 5.24 marks it; 5.25 no
+    longer does), on tpu it keeps its own forward, Llama's takes the kernel; on cpu the condition decides as
+    upstream (True)."""
+    from transformers.integrations import hub_kernels
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-    model = torch.nn.ModuleDict({"llama": LlamaRMSNorm(8), "olmo2": Olmo2RMSNorm(8)}).to("tpu")
+    marked = hub_kernels.use_kernel_forward_from_hub("RMSNorm")(type("MarkedOlmo2RMSNorm", (Olmo2RMSNorm,), {}))
+    model = torch.nn.ModuleDict({"llama": LlamaRMSNorm(8), "olmo2": marked(8)}).to("tpu")
     with kernels.use_kernel_mapping(tpu_mapping()):
         kernels.kernelize(model, device="tpu", mode=Mode.INFERENCE)
     assert model["llama"].forward.__func__ is _layer_forward("RMSNorm")
     assert model["olmo2"].forward.__func__ is Olmo2RMSNorm.forward
-    assert Olmo2RMSNorm.kernel_condition(Olmo2RMSNorm(8))
+    assert marked.kernel_condition(marked(8))

@@ -22,12 +22,14 @@ the package).
   compiling process too, so a function patched after the first call was not traced again. Here the compiling
   process keeps them all, as without precompile.
 - **Identity guards saved by fingerprint** (``CheckFunctionManager.serialize_guards``): an identity guard over a
-  module, class, builtin, enum member or function without a closure (a function's code, for torch's closure
-  guard) is saved as :func:`_is_the_same_object`: when the package is loaded, the object the guard's source finds
-  in the new process must have the saved :func:`_fingerprint` (module, qualified name, code's file name and first
-  line), and the loaded guard is identity with it. A function patched in before the new process compiles has
-  another fingerprint: that entry never runs, and Dynamo traces. A compile with any other guard torch cannot
-  save (on an arbitrary object's identity, a dict's version) is left out of the package (``_NOT_SAVED``;
+  module, class, builtin, enum member, function without a closure (a function's code, for torch's closure
+  guard) or an instance that its class's module holds by name (the module kernels makes of
+  ``apply_rotary_pos_emb``, which kernels 0.18 on guard by identity) is saved as :func:`_is_the_same_object`:
+  when the package is loaded, the object the guard's source finds in the new process must have the saved
+  :func:`_fingerprint` (module, qualified name, code's file name and first line; for an instance its class's
+  and the name), and the loaded guard is identity with it. A function patched in before the new process
+  compiles has another fingerprint: that entry never runs, and Dynamo traces. A compile with any other guard
+  torch cannot save (on an arbitrary object's identity, a dict's version) is left out of the package (``_NOT_SAVED``;
   ``CompilePackage.add_guarded_code``): torch's own bypass asserts in 2.13 and would drop the function's other
   entries, in later processes too. A package that cannot be installed (a saved value missing, say) is undone
   and fails as torch's recovery expects (``CompilePackage.install``: a ``RuntimeError``, after which torch
@@ -338,9 +340,9 @@ def _draw_later_names_past(name: str) -> None:
 
 def _saved_form(builder: Any, guard: Any) -> Any:
     """``guard`` as a package saves it: an identity guard over a module, class, builtin, function without a
-    closure or enum member, and a guard over a function's code, become :func:`_is_the_same_object` (checked
-    against this process's object when the package is loaded); any other guard is left as it is (torch refuses
-    to save the identity guards left, and the frame is then not saved)."""
+    closure, enum member or module-level instance, and a guard over a function's code, become
+    :func:`_is_the_same_object` (checked against this process's object when the package is loaded); any other
+    guard is left as it is (torch refuses to save the identity guards left, and the frame is then not saved)."""
     kind = guard.create_fn_name()
     if kind not in _IDENTITY_GUARDS and kind not in ("CLOSURE_MATCH", "CONSTANT_MATCH"):
         return guard
@@ -361,11 +363,19 @@ def _saved_form(builder: Any, guard: Any) -> Any:
 
 def _kept_by_fingerprint(value: Any) -> bool:
     """Whether another process's object with ``value``'s fingerprint is the same object: a module, class,
-    builtin, enum member or function without a closure (whose code the package's source checks cover)."""
+    builtin, enum member, function without a closure (whose code the package's source checks cover), or an
+    instance that its class's module holds by name."""
     if isinstance(value, types.FunctionType):
         return value.__closure__ is None
     return (inspect.ismodule(value) or inspect.isclass(value) or inspect.isroutine(value)
-            or isinstance(value, enum.Enum))
+            or isinstance(value, enum.Enum) or _module_level_name(value) is not None)
+
+
+def _module_level_name(value: Any) -> str | None:
+    """The name under which the module of ``value``'s class holds ``value`` itself (an instance made when the
+    module is imported, such as the module kernels makes of a decorated function), else None."""
+    module = sys.modules.get(getattr(type(value), "__module__", None) or "")
+    return next((name for name, held in list(vars(module).items()) if held is value), None) if module else None
 
 
 def _pickled_as_itself(function: types.FunctionType) -> bool:
@@ -383,6 +393,8 @@ def _fingerprint(value: Any) -> tuple:
         return ("code", os.path.basename(value.co_filename), value.co_qualname, value.co_firstlineno)
     if isinstance(value, enum.Enum):
         return ("enum", _fingerprint(type(value)), value.name)
+    if not (inspect.isclass(value) or inspect.isroutine(value)):
+        return ("instance", _fingerprint(type(value)), _module_level_name(value))
     code = getattr(value, "__code__", None)
     return (type(value).__name__, getattr(value, "__module__", None), getattr(value, "__qualname__", None),
             _fingerprint(code) if isinstance(code, types.CodeType) else None)

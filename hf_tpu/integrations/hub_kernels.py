@@ -1,19 +1,20 @@
 """transformers' hub kernels (``transformers/integrations/hub_kernels.py``): its kernels layer mapping for tpu
-models, with the installed ``kernels`` release.
+models, with the installed ``kernels`` release. Line numbers are transformers 5.25.0's.
 
 Four patches, each a no-op where upstream already does the right thing:
 
 1. **Version gate** (``transformers/utils/import_utils.py``: ``KERNELS_MIN_VERSION``/``KERNELS_MAX_VERSION``
-   at lines 177-178, ``is_kernels_available`` at 805-814). transformers 5.24 accepts ``kernels>=0.18.2,<0.19``;
-   with kernels 0.17.2 every ``@use_kernel_forward_from_hub`` is a stub (``hub_kernels.py:83, 744-765``),
-   ``from_pretrained(use_kernels=True)`` raises "Kernels are not available" (``modeling_utils.py:3873``)
-   and ``hub_kernels.kernelize`` raises ``ImportError`` (``hub_kernels.py:955``). Everything
-   ``hub_kernels.py`` imports from kernels (lines 84-105) exists in 0.17.2 with the signatures it calls
-   (``get_kernel(user_agent=, trust_remote_code=)``, ``kernelize(device=, mode=, use_fallback=)``,
-   ``KernelizeFallback.ALL``, ``Device(properties=CUDAProperties(...))``). So, when the installed kernels
-   is at least :data:`OLDEST_CHECKED_KERNELS` but below transformers' minimum, ``is_kernels_available``
-   becomes the same check from :data:`OLDEST_CHECKED_KERNELS` (bound in ``import_utils`` and
-   ``transformers.utils``). With a kernels release transformers accepts, or none, nothing changes.
+   at lines 177-178, ``is_kernels_available`` at 805-814). transformers 5.24 accepts ``kernels>=0.18.2,<0.19``,
+   5.25 ``kernels>=0.19.1,<0.20``; with an older kernels every ``@use_kernel_forward_from_hub`` is a stub
+   (``hub_kernels.py:103, 288-330``), ``from_pretrained(use_kernels=True)`` raises "Kernels are not available"
+   (``modeling_utils.py:3890``) and ``hub_kernels.kernelize`` raises ``ImportError`` (``hub_kernels.py:503``).
+   Everything ``hub_kernels.py`` imports from kernels (lines 104-119) exists in 0.17.2 and 0.18.3 with the
+   signatures it calls (``get_kernel(user_agent=, trust_remote_code=)``, ``kernelize(device=, mode=,
+   use_fallback=)``, ``KernelizeFallback.ALL``, ``Device(properties=CUDAProperties(...))``,
+   ``use_kernelized_func(*functions)``). So, when the installed kernels is at least
+   :data:`OLDEST_CHECKED_KERNELS` but below transformers' minimum, ``is_kernels_available`` becomes the same
+   check from :data:`OLDEST_CHECKED_KERNELS` (bound in ``import_utils`` and ``transformers.utils``). With a
+   kernels release transformers accepts (0.19.1 with 5.25), a newer one, or none, nothing changes.
    The patch runs when ``import_utils`` has just executed, before ``transformers.utils`` binds the name
    and before ``hub_kernels`` is imported (``transformers.modeling_utils`` and ``transformers.activations``
    import it, and both import torch, hence hf_tpu, first; when ``hub_kernels``' own import is what imports
@@ -24,22 +25,23 @@ Four patches, each a no-op where upstream already does the right thing:
    kept in ``_kernel_funcs`` by ``@use_kernelized_func`` classes, and code asking for a Hub kernel (a
    ``flash_attention_2`` request without flash-attn, some quantizers) tries to load one instead of raising.
    A model that does not set ``use_kernels`` computes as before, on every device.
-2. **tpu mapping** (``transformers/integrations/hub_kernels.py:145-730``: ``_build_kernel_mapping`` has no
+2. **tpu mapping** (``transformers/integrations/hub_kernels.py:129-273``: ``_build_kernel_mapping`` has no
    "tpu" entries). Its result gets :func:`hf_tpu.kernels.hub.tpu_mapping` (RMSNorm and the activations:
    hf_tpu's kernel repositories, through ``kernels.LocalLayerRepository``) for each layer name without a
    tpu entry of its own, so ``from_pretrained(..., use_kernels=True, device_map="tpu")``,
    ``model.set_use_kernels(True)`` and ``model.use_kernels = True`` swap them in on tpu.
-3. **RMSNorm formulas** (``hub_kernels.py:107-114``, ``use_kernel_forward_from_hub``): transformers marks 139
-   classes "RMSNorm", and some compute another formula (Olmo2 and GptOss scale before the final cast,
-   DeepseekV4 keeps float32 weights). hf_tpu's ``RMSNorm`` layer computes ``LlamaRMSNorm``'s; the classes it
-   decorates get a ``kernel_condition`` under which a module on tpu whose class's ``forward`` is not
-   ``LlamaRMSNorm``'s (the same code, as transformers copies it per model) keeps its own forward. Modules
-   on other devices are decided as before.
-4. **``KernelConfig(use_local_kernel=True)``** (``transformers/utils/kernel_config.py:73-92``):
-   ``register_kernel_replacements_and_fusions`` (``hub_kernels.py:1145-1149, 1187, 1254``) rewrites the
+3. **RMSNorm formulas** (``hub_kernels.py:104-116``, ``use_kernel_forward_from_hub``, kernels' own):
+   transformers 5.24 marks 139 classes "RMSNorm", and some compute another formula (Olmo2 and GptOss scale
+   before the final cast, DeepseekV4 keeps float32 weights). hf_tpu's ``RMSNorm`` layer computes
+   ``LlamaRMSNorm``'s; the classes it decorates get a ``kernel_condition`` under which a module on tpu whose
+   class's ``forward`` is not ``LlamaRMSNorm``'s (the same code, as transformers copies it per model) keeps its
+   own forward. Modules on other devices are decided as before. transformers 5.25 no longer marks those three:
+   its 132 "RMSNorm" classes all compute ``LlamaRMSNorm``'s formula, so the condition holds for each of them.
+4. **``KernelConfig(use_local_kernel=True)``** (``transformers/utils/kernel_config.py:73-89``):
+   ``register_kernel_replacements_and_fusions`` (``hub_kernels.py:705-717, 755, 815``) rewrites the
    config's mapping values as ``(path:layer, metadata)`` tuples, and ``add_to_mapping_local`` then calls
-   ``.split`` on them (``kernel_config.py:318``). The wrapped ``add_to_mapping_local`` takes a tuple's
-   string; strings pass through unchanged.
+   ``.split`` on them (``kernel_config.py:80``, called at 318). The wrapped ``add_to_mapping_local`` takes a
+   tuple's string; strings pass through unchanged.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from typing import Any, Callable
 from . import when_imported
 
 OLDEST_CHECKED_KERNELS = "0.17.2"
-"""The oldest kernels release checked to provide everything transformers' ``hub_kernels`` uses."""
+"""The oldest kernels release checked to provide everything transformers' ``hub_kernels`` uses (0.18.3 too)."""
 
 
 def _bridge_version_gate(import_utils: Any) -> None:

@@ -5,7 +5,9 @@ a package exporting ``layers``): ``rmsnorm`` (layer ``RMSNorm``, the Pallas ``rm
 ``activation`` (layers ``SiLU``, ``GeLU``, ``GeluTanh``, ``NewGELU``, ``FastGELU``, ``QuickGELU``). The
 mapping loads them with ``kernels.LocalLayerRepository``, the same loader (variant selection, metadata
 checks, layer validation) as Hub kernels; the ops they call are in :mod:`.ops`. Importing this package
-imports neither JAX nor ``kernels``.
+imports neither JAX nor ``kernels``. Each ``metadata.json`` records the sha256 digest of its package's files,
+which kernels 0.19 checks at each load (files that differ fail it; without a digest it warns): editing a
+repository's package means writing the new digest (``tests/test_kernels_layers.py`` says which).
 """
 
 from __future__ import annotations
