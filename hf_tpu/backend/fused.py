@@ -329,12 +329,17 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
     ``None`` and tuples of those) on ``tpu:device`` and returns its result with :class:`Lazy` leaves; with
     ``pair``, ``fn`` returns ``(result, check)`` and so does this, with no check (the chain collects it)."""
     with _lock:
-        known = _chain.known  # an array read again (a weight) is not asked for its shape and dtype again
-        signature = tuple([value.signature if value.__class__ is Lazy and value.array is None
-                           else entry[1] if (entry := known.get(id(value))) else _signature_of(value)
-                           for value in call])
-        trace = _traces.get((fn, signature)) or _traced(fn, call, signature, pair, name)
         chain = _chain
+        known = chain.known  # an array read again (a weight) is not asked for its shape and dtype again
+        signature = []
+        for value in call:
+            if value.__class__ is Lazy and value.array is None:
+                signature.append(value.signature)
+            else:
+                entry = known.get(id(value))
+                signature.append(entry[1] if entry else _signature_of(value))
+        signature = tuple(signature)
+        trace = _traces.get((fn, signature)) or _traced(fn, call, signature, pair, name)
         bound = (len(chain.ops) >= MAX_OPS // 2 or chain.work >= MAX_WORK // 2) and _ends_before(chain, trace)
         if chain.device != device or bound:
             chain = _restart(device)
@@ -348,28 +353,34 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
             else:
                 refs.append(chain.ref(value, sig, used))
         op = _Op()
-        op.trace, op.refs, op.first, op.name = trace, tuple(refs), chain.slots, name
-        op.line = _user_line()
-        sharding = chain.sharding
-        handles, outputs = [], chain.outputs
-        slot = chain.slots
-        for shape, dtype, sig, size in trace.leaves:
-            handle = Lazy()
-            handle.slot, handle.shape, handle.dtype, handle.signature = slot, shape, dtype, sig
-            handle.size, handle.sharding, handle.array, handle.chain = size, sharding, None, chain
-            slot += 1
-            handles.append(handle)
-            outputs.append(weakref.ref(handle))
-        chain.slots = slot
+        slot = op.first = chain.slots
+        op.trace, op.refs, op.name, op.line = trace, tuple(refs), name, _user_line()
         chain.ops.append(op)
         chain.work += trace.work
         _stats["ops"] += 1
+        outputs = chain.outputs
+        if trace.tree is None:  # one array: the common case
+            result = _pending(trace.leaves[0], slot, chain)
+            outputs.append(weakref.ref(result))
+            chain.slots = slot + 1
+        else:
+            handles = [_pending(leaf, slot + index, chain) for index, leaf in enumerate(trace.leaves)]
+            outputs += map(weakref.ref, handles)
+            chain.slots = slot + len(handles)
+            result = jax.tree_util.tree_unflatten(trace.tree, handles)
         if trace.check:
             chain.checks += 1
             if checks.MODE == "immediate":  # each failing op raises at once: run it now
                 _restart(device)
-        result = handles[0] if trace.tree is None else jax.tree_util.tree_unflatten(trace.tree, handles)
     return (result, None) if pair else result
+
+
+def _pending(leaf: tuple, slot: int, chain: _Chain) -> Lazy:
+    """The :class:`Lazy` value of output ``slot`` of ``chain``, of ``leaf`` (see :class:`_Trace`)."""
+    handle = Lazy()
+    handle.shape, handle.dtype, handle.signature, handle.size = leaf
+    handle.slot, handle.sharding, handle.array, handle.chain = slot, chain.sharding, None, chain
+    return handle
 
 
 def _ends_before(chain: _Chain, trace: _Trace) -> bool:
