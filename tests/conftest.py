@@ -90,6 +90,21 @@ def bert_dir(tmp_path_factory):
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
+@pytest.fixture(scope="module")
+def tpu_kernel_mapping():
+    """hf_tpu's kernel layers in transformers' default mapping, as on TPU chips (here they run interpreted; see
+    ``hf_tpu.integrations.hub_kernels``), for one test module; transformers' cached mapping is built again."""
+    from transformers.integrations import hub_kernels
+
+    from hf_tpu.integrations import hub_kernels as bridge
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bridge, "_pallas_kernels", lambda: True)
+        patch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", None)
+        yield
+    hub_kernels._KERNEL_MAPPING_CACHE = None
+
+
 @pytest.fixture
 def fresh_dynamo(tmp_path, monkeypatch):
     """Dynamo's caches and hf_tpu's compile counters start empty and are cleared afterwards; Dynamo's saved

@@ -640,3 +640,18 @@ def test_installed_with_kernels_and_idempotent():
                  "_create_func_module"):
         if hasattr(layer, name):
             assert getattr(getattr(layer, name), "_hf_tpu_bridge", False), name
+
+
+def test_transformers_default_mapping_has_tpu_layers_only_where_pallas_kernels_run(monkeypatch):
+    """transformers 5.25 kernelizes every from_pretrained model by default: off TPU chips, where hf_tpu's Pallas
+    kernels run interpreted (far slower than XLA's ops), its mapping gets no tpu entries, unless HF_TPU_PALLAS=1."""
+    from transformers.integrations import hub_kernels
+
+    from hf_tpu.integrations.hub_kernels import _has_tpu_entry
+
+    monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", None)
+    assert not any(_has_tpu_entry(devices) for devices in hub_kernels.get_kernel_mapping_transformers().values())
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", None)
+    mapping = hub_kernels.get_kernel_mapping_transformers()
+    assert _has_tpu_entry(mapping["RMSNorm"]) and _has_tpu_entry(mapping["SiLU"])

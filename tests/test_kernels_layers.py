@@ -52,6 +52,9 @@ def _assert_kernelized(model: torch.nn.Module) -> None:
     assert all(m.forward.__func__ is _layer_forward("SiLU") for m in acts)
 
 
+pytestmark = pytest.mark.usefixtures("tpu_kernel_mapping")
+
+
 @pytest.fixture(scope="module")
 def llamas():
     """The same tiny Llama (each with its own copy of the config): on cpu, on tpu, and kernelized on tpu."""

@@ -37,6 +37,9 @@ def _with_kernels(model: torch.nn.Module) -> torch.nn.Module:
     return hf_tpu.kernels.enable(copy.deepcopy(model))  # a copy of the config too: enable changes it
 
 
+pytestmark = pytest.mark.usefixtures("tpu_kernel_mapping")
+
+
 @pytest.fixture(scope="module")
 def llamas():
     plain = tiny_llama().to("tpu").eval()

@@ -346,8 +346,9 @@ def test_upstream_plans_are_used():
     if "model.layers.*.mlp.experts.gate_up_proj" in moe.tp_plan:  # transformers < 5.25 splits the experts' matrices
         assert specs["model.layers.0.mlp.experts.gate_up_proj"] == COLS  # packed_colwise on [experts, 2 x inter, hidden]
         assert specs["model.layers.0.mlp.experts.down_proj"] == P(None, None, "tp")  # rowwise on [experts, hidden, inter]
-    else:  # 5.25 leaves them out of its tensor-parallel plan (experts are split by its expert-parallel plan only)
-        assert specs["model.layers.0.mlp.experts.gate_up_proj"] == specs["model.layers.0.mlp.experts.down_proj"] == WHOLE
+    else:  # 5.25 splits experts in its expert-parallel plan only (grouped_gemm): by expert, over the same axis
+        assert moe.ep_plan["model.layers.*.mlp.experts.gate_up_proj"] == "grouped_gemm"
+        assert specs["model.layers.0.mlp.experts.gate_up_proj"] == specs["model.layers.0.mlp.experts.down_proj"] == ROWS
     assert specs["model.layers.0.mlp.gate.weight"] == WHOLE  # the router
     assert specs["model.layers.0.self_attn.q_norm.weight"] == WHOLE
     assert specs["model.layers.1.self_attn.k_proj.weight"] == ROWS and specs["lm_head.weight"] == ROWS

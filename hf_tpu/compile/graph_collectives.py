@@ -321,7 +321,10 @@ class CollectiveGraph(CompiledGraph):
                 _GROUP_AXES.reset(axes)
 
         mesh = self._mesh(chip)
-        return jax.shard_map(per_rank, mesh=mesh, in_specs=_blocked(mesh), out_specs=_blocked(mesh))(rng, *blocks)
+        # check_vma=False: a graph may call kernels (Pallas, jax_op) whose output types do not say how they vary
+        # over the mesh, which JAX's check requires; every output is this rank's own block anyway.
+        return jax.shard_map(per_rank, mesh=mesh, in_specs=_blocked(mesh), out_specs=_blocked(mesh),
+                             check_vma=False)(rng, *blocks)
 
     def _mesh(self, chip: int) -> Mesh:
         """The grid's mesh of each process's chip ``chip``."""

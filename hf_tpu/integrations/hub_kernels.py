@@ -29,7 +29,11 @@ Four patches, each a no-op where upstream already does the right thing:
    "tpu" entries). Its result gets :func:`hf_tpu.kernels.hub.tpu_mapping` (RMSNorm and the activations:
    hf_tpu's kernel repositories, through ``kernels.LocalLayerRepository``) for each layer name without a
    tpu entry of its own, so ``from_pretrained(..., use_kernels=True, device_map="tpu")``,
-   ``model.set_use_kernels(True)`` and ``model.use_kernels = True`` swap them in on tpu.
+   ``model.set_use_kernels(True)`` and ``model.use_kernels = True`` swap them in on tpu. Only where hf_tpu's
+   Pallas kernels run (:func:`hf_tpu.backend.runtime.pallas_kernels`: on TPU chips; elsewhere with
+   ``HF_TPU_PALLAS=1``, interpreted): transformers 5.25 kernelizes every ``from_pretrained`` model by default
+   (``modeling_utils.py:4415-4422``, ``use_kernels=None`` becomes ``True``), and off TPU chips the interpreted
+   kernels are far slower than XLA's own ops (inside a multi-process tensor-parallel graph they hung).
 3. **RMSNorm formulas** (``hub_kernels.py:104-116``, ``use_kernel_forward_from_hub``, kernels' own):
    transformers 5.24 marks 139 classes "RMSNorm", and some compute another formula (Olmo2 and GptOss scale
    before the final cast, DeepseekV4 keeps float32 weights). hf_tpu's ``RMSNorm`` layer computes
@@ -89,6 +93,13 @@ def _has_tpu_entry(devices: dict) -> bool:
     return any(getattr(device, "type", device) == "tpu" for device in devices)
 
 
+def _pallas_kernels() -> bool:
+    """Whether hf_tpu's kernel layers join transformers' mapping (see patch 2 in the module's docstring)."""
+    from ..backend import runtime
+
+    return runtime.pallas_kernels()
+
+
 def _add_tpu_mapping(hub_kernels: Any) -> None:
     build = getattr(hub_kernels, "_build_kernel_mapping", None)  # absent while kernels is unavailable
     if build is None or getattr(build, "_hf_tpu_bridge", False):
@@ -99,6 +110,8 @@ def _add_tpu_mapping(hub_kernels: Any) -> None:
         from hf_tpu.kernels.hub import tpu_mapping
 
         mapping = build()
+        if not _pallas_kernels():
+            return mapping
         for name, devices in tpu_mapping().items():
             if not _has_tpu_entry(mapping.setdefault(name, {})):
                 mapping[name].update(devices)

@@ -23,7 +23,10 @@ contiguous blocks, as every JAX sharding is; the unpacking ``chunk`` then moves 
 
 Plans come from the model itself where it has one (transformers' ``model.tp_plan``: its config's
 ``base_model_tp_plan`` plus its head's ``_tp_plan``; diffusers' ``_tp_plan``), else from the plans shipped
-here, one module per model family (:data:`PLANS`), else from the user (a dict, validated).
+here, one module per model family (:data:`PLANS`), else from the user (a dict, validated). A transformers MoE
+model's experts that its tensor-parallel plan leaves out (transformers 5.25 splits experts only in its
+expert-parallel plan, ``model.ep_plan``) take that plan's entries: one process splits them by expert over the same
+axis, rather than holding every expert on every chip.
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ _HEAD_DIMS = ("head_dim", "d_kv", "attention_head_dim")
 
 
 def plan_for(model: torch.nn.Module) -> dict[str, str]:
-    """The model's own plan with full names (transformers' ``model.tp_plan``, diffusers' ``_tp_plan``), else
-    the shipped plan of its family (:data:`PLANS`) under its base model's name. Raises if there is neither."""
+    """The model's own plan with full names (transformers' ``model.tp_plan``, with its ``ep_plan``'s entries
+    for what the former leaves out; diffusers' ``_tp_plan``), else the shipped plan of its family
+    (:data:`PLANS`) under its base model's name. Raises if there is neither."""
     upstream = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
     if upstream:
-        return {key: _style_name(key, style) for key, style in upstream.items()}
+        experts = {key: style for key, style in (getattr(model, "ep_plan", None) or {}).items() if key not in upstream}
+        return {key: _style_name(key, style) for key, style in {**upstream, **experts}.items()}
     family = _family(model)
     if family not in PLANS:
         raise ValueError(f"{type(model).__name__} has no tensor-parallel plan, upstream or shipped in "
