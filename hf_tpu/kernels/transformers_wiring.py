@@ -126,7 +126,8 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
     and, for a mixture-of-experts model, its experts implementation to :data:`NAME`, and kernelizes it
     (``model.set_use_kernels(True)``: transformers' layer mapping, re-applied when ``train()``/``eval()``
     change the mode), which gives its ``@use_kernel_forward_from_hub("RMSNorm")`` modules and hub-kernel
-    activations hf_tpu's kernels. Off TPU chips the kernels run in TPU interpret mode (slow: for testing).
+    activations hf_tpu's kernels (registered in kernels' mapping for the rest of the process). Off TPU chips the
+    kernels run in TPU interpret mode (slow: for testing).
     """
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"hf_tpu.kernels.enable takes a transformers model or a diffusers model or pipeline, not "
@@ -137,6 +138,13 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
                          "on tpu tensors: move the model with model.to('tpu') first")
     model.set_attn_implementation(NAME)
     model.set_experts_implementation(NAME)  # no change for a model without experts
+    # transformers' default mapping has hf_tpu's layers only where the kernels run natively (see
+    # integrations/hub_kernels.py); asked for here, they join kernels' mapping on every platform
+    from kernels import register_kernel_mapping
+
+    from .hub import tpu_mapping
+
+    register_kernel_mapping(tpu_mapping())
     model.set_use_kernels(True)
     return model
 
