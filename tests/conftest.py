@@ -102,7 +102,6 @@ def tpu_kernel_mapping():
         patch.setattr(bridge, "_pallas_kernels", lambda: True)
         patch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", None)
         yield
-    hub_kernels._KERNEL_MAPPING_CACHE = None
 
 
 @pytest.fixture
