@@ -75,3 +75,28 @@ def test_a_sliding_window_cache_keeps_transformers_masks(monkeypatch):
     result = tpu_model.generate(to_tpu(prompt), cache_implementation="static", **options)
     assert result.cpu().tolist() == expected.tolist()
     assert len(builds) >= NEW_TOKENS
+
+
+def test_cpu_generate_with_a_static_cache_goes_through_the_wrapper_unchanged():
+    """The wrapper hands every other call to transformers as it came (transformers 5.17 names the cache argument
+    ``past_key_values``, 5.25 ``cache``)."""
+    model = tiny_llama().eval()
+    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = model.generate(prompt, **options)
+    assert model.generate(prompt, cache_implementation="static", disable_compile=True, **options).tolist() == (
+        expected.tolist()
+    )
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_a_static_cache_gets_the_padded_2d_mask_whichever_name_it_is_passed_by(name):
+    from transformers.cache_utils import StaticCache
+
+    config = tiny_llama().config
+    cache = StaticCache(config=config, max_cache_len=16)
+    mask = torch.ones(1, 5, dtype=torch.long, device="tpu")
+    result = transformers.generation.utils.create_masks_for_generate(
+        config=config, inputs_embeds=torch.empty((1, 5, 0), device="tpu"), attention_mask=mask, **{name: cache}
+    )
+    assert result.device.type == "tpu" and result.cpu().tolist() == [[1] * 5 + [0] * 11]

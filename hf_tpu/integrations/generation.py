@@ -176,10 +176,12 @@ def _install_in_graph_decode_mask(module: Any) -> None:
 
     @functools.wraps(upstream)
     def create_masks_for_generate(config: Any, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                                  cache: Any = None, *args: Any, **kwargs: Any) -> Any:
+                                  *args: Any, **kwargs: Any) -> Any:
         """On tpu, for a cache of full-attention static layers, the 2D mask padded to the cache length (or no
         mask), from which the model's forward builds the 4D mask in its compiled graph; else transformers'."""
-        plain = not args and all(kwargs.get(name) is None for name in _MASK_OVERLAYS)
+        # the cache is the fourth argument: ``cache`` since transformers 5.2x, ``past_key_values`` before
+        cache = args[0] if args else kwargs.get("cache", kwargs.get("past_key_values"))
+        plain = len(args) <= 1 and all(kwargs.get(name) is None for name in _MASK_OVERLAYS)
         two_dims = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 2)
         if inputs_embeds.device.type == "tpu" and plain and two_dims:
             length = _fixed_mask_length(cache)
@@ -187,7 +189,7 @@ def _install_in_graph_decode_mask(module: Any) -> None:
                 return None
             if length is not None and attention_mask.shape[-1] <= length:
                 return torch.nn.functional.pad(attention_mask, (0, length - attention_mask.shape[-1]))
-        return upstream(config, inputs_embeds, attention_mask, cache, *args, **kwargs)
+        return upstream(config, inputs_embeds, attention_mask, *args, **kwargs)
 
     create_masks_for_generate._hf_tpu = True
     module.create_masks_for_generate = create_masks_for_generate
