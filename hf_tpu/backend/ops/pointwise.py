@@ -25,6 +25,17 @@ def _opmath(dtype):
     return np.dtype(jnp.float32) if np.dtype(dtype) in _HALF else np.dtype(dtype)
 
 
+def rounded_to(value, dtype):
+    """Traced: ``value`` rounded to the precision of the narrower float ``dtype``, kept in its own dtype (torch's
+    intermediate rounding). For bfloat16 this is ``reduce_precision``, the same bits as a round trip through
+    bfloat16: XLA's GPU compiler removes such a round trip (excess precision) but not this op. float16 keeps the
+    round trip (``reduce_precision`` flushes its subnormals)."""
+    if np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        info = jnp.finfo(dtype)
+        return lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return value.astype(dtype).astype(value.dtype)
+
+
 def _is_float(value) -> bool:
     return jnp.issubdtype(value.dtype, jnp.inexact)
 
@@ -114,7 +125,7 @@ def div_mode(self, other, rounding_mode=None):
     dtype = result_type(self, other)
     checks.nonzero_divisor(other, dtype)
     if rounding_mode == "trunc" and np.dtype(dtype) in _HALF:  # CPU rounds the quotient before truncating
-        return _math(lambda a, b: jnp.trunc((a / b).astype(dtype).astype(a.dtype)), dtype, self, other)
+        return _math(lambda a, b: jnp.trunc(rounded_to(a / b, dtype)), dtype, self, other)
     return _math(_trunc_divide if rounding_mode == "trunc" else _floor_divide, dtype, self, other)
 
 

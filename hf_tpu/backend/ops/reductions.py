@@ -17,7 +17,7 @@ from jax import lax
 
 from .. import dtypes
 from ..dispatch import kernel, lowering
-from .pointwise import _float_result, _opmath
+from .pointwise import _float_result, _opmath, rounded_to
 
 
 def _name(dtype) -> str:
@@ -52,7 +52,10 @@ def _size(self, dims) -> int:
 
 def _accumulated(self, dtype):
     """The input cast to the result ``dtype``, then to the dtype its math runs in."""
-    return self.astype(dtype).astype(_opmath(dtype))
+    math_dtype = _opmath(dtype)
+    if np.dtype(self.dtype) == math_dtype != np.dtype(dtype):  # float32 in, a half type out
+        return rounded_to(self, dtype)
+    return self.astype(dtype).astype(math_dtype)
 
 
 def _integral_to_long(self, dtype):
