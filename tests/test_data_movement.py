@@ -307,3 +307,17 @@ def test_dataloader_with_pin_memory():
     batches = [(x.to("tpu", non_blocking=True), y.to("tpu")) for x, y in loader]
     assert [len(y) for _, y in batches] == [4, 2]
     torch.testing.assert_close(torch.cat([x.cpu() for x, _ in batches]), torch.arange(12.0).reshape(6, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with a CUDA device beside tpu")
+def test_copies_between_cuda_and_tpu_go_through_the_host():
+    values = torch.arange(6.0).reshape(2, 3)
+    on_cuda = values.to("cuda")
+    assert torch.equal(on_cuda.to("tpu").cpu(), values)
+    target = torch.zeros(2, 3, device="tpu")
+    target.copy_(on_cuda)
+    assert torch.equal(target.cpu(), values)
+    assert torch.equal(values.to("tpu").to("cuda").cpu(), values)
+    back = torch.zeros(2, 3, device="cuda")
+    back.copy_(values.to("tpu"))
+    assert torch.equal(back.cpu(), values)

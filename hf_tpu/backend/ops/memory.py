@@ -162,8 +162,10 @@ def _device_index_of(tensor: torch.Tensor) -> int:
 @kernel("copy_")
 def copy_(self, src, non_blocking=False):
     if self.device.type != "tpu":
-        if self.device.type != "cpu":
+        if self.device.type == "meta":
             raise device_mismatch(src.device, self.device)
+        if self.device.type != "cpu":  # into another accelerator's tensor (cuda), through the host
+            return self.copy_(to_host(src), non_blocking)
         queued = non_blocking and self.is_pinned()
         stream = streams.copy_stream(_device_index_of(src), into_pinned_host=queued)
         if stream is None:
@@ -181,7 +183,9 @@ def copy_(self, src, non_blocking=False):
         value = storage.read(src, pending=not transfer)  # a copy on one chip is recorded in fused eager mode
         if transfer:
             value = jax.device_put(value, runtime.device(index))
-    elif src.device.type in ("cpu", "meta"):
+    elif src.device.type != "tpu":
+        if src.device.type not in ("cpu", "meta"):  # another accelerator's tensor (cuda) comes through the host
+            return copy_(self, src.cpu(), non_blocking)
         if src.device.type == "meta":
             raise NotImplementedError(
                 "Cannot copy out of meta tensor; no data! Use 'to_empty()' to move a module off meta."
@@ -196,8 +200,6 @@ def copy_(self, src, non_blocking=False):
             return self
         else:
             value = streams.run_copy(stream, _transferred, src, self.dtype, index)
-    else:
-        raise device_mismatch(self.device, src.device)
     if self.is_complex() is False and jnp.issubdtype(value.dtype, jnp.complexfloating):
         _warn_if_discarding_imaginary(src.dtype, self.dtype)
         value, transfer = fused.apply(_astype(dtypes.to_jax(self.dtype)), "cast", index, value), False
@@ -255,6 +257,8 @@ def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_bl
     target = torch.device(device) if device is not None else self.device
     stride = _layout_for(self, memory_format)
     if self.device.type != "tpu":  # host -> device, converting on the host
+        if self.device.type not in ("cpu", "meta"):  # another accelerator's tensor (cuda) comes through the host
+            return _to_copy(self.cpu(), dtype, layout, device, pin_memory, non_blocking, memory_format)
         index = _index(target)
         if self.numel() == 0:  # nothing to move (transformers' caches start as torch.tensor([], device=...))
             dtypes.to_jax(dtype)  # a dtype the device cannot hold raises TypeError, as for a copy
