@@ -16,9 +16,10 @@ memory at step 10 and at the end (goal: no growth).
 Timings are the best of ``--repeats`` runs after warm-up runs that compile everything (fused programs are
 cached by the chain's structure, so the timed runs find them). Prints each time and the ratios the goals are
 stated in: fused / jax.jit per op (goal <= 1.3x), fused / torch CPU for the forward (goal <= 1.2x) and for
-the training step (goal <= 1.5x). For the forward and the step it also prints where fused mode's time goes: the
-host's time until the call returns (recording the ops; their chains are queued), and XLA's time to run the recorded
-chain programs, each alone on inputs already computed (on JAX's CPU platform the two share the host's cores).
+the training step (goal <= 1.5x); where torch has CUDA, also against torch CUDA eager. For the forward and the step
+it also prints where fused mode's time goes: the host's time until the call returns (recording the ops; their
+chains are queued), and XLA's time to run the recorded chain programs, each alone on inputs already computed (on
+JAX's CPU platform the two share the host's cores).
 
     python benchmarks/fused_eager.py [--chain 200] [--repeats 10] [--steps 1000]
 """
@@ -85,7 +86,7 @@ class Timing(NamedTuple):
 def timed_in_mode(device: str, mode: str, step: Callable[[], object], repeats: int, warmups: int = 3) -> Timing:
     """Best times of ``step`` on ``device`` (tpu in eager ``mode``, synchronized after each step). What ``step``
     returns is held over the sync: fused eager computes only results that are still referenced."""
-    sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
+    sync = {"tpu": torch.tpu.synchronize, "cuda": torch.cuda.synchronize}.get(device, lambda: None)
     if device == "tpu":
         torch.tpu.set_eager_mode(mode)
     try:
@@ -185,7 +186,12 @@ def compare_with_cpu(title: str, workload: Callable[[str], Callable[[], object]]
           f"fused: {counts['flushes']} chain runs, {counts['program_hits']} cache hits, "
           f"{counts['program_misses']} misses")
     print(f"  where fused mode's time goes: host until the call returns {fused_time.host * 1e3:.2f} "
-          f"({fused_time.host / cpu:.2f}x cpu), XLA running its chains alone {chains * 1e3:.2f} ({chains / cpu:.2f}x cpu)\n")
+          f"({fused_time.host / cpu:.2f}x cpu), XLA running its chains alone {chains * 1e3:.2f} ({chains / cpu:.2f}x cpu)")
+    if torch.cuda.is_available():
+        cuda = timed_in_mode("cuda", "strict", workload("cuda"), repeats).total
+        print(f"  torch cuda eager {cuda * 1e3:.2f} on {torch.cuda.get_device_name()}: fused / cuda "
+              f"{fused_time.total / cuda:.2f}x, strict / cuda {strict / cuda:.2f}x")
+    print()
 
 
 def resident_megabytes() -> float:
