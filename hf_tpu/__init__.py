@@ -1,7 +1,7 @@
 """hf_tpu: a PyTorch ``"tpu"`` device on JAX/XLA for the Hugging Face stack.
 
 Importing hf_tpu (or just ``import torch`` once hf_tpu is installed, through torch's backend
-autoload) registers the device::
+autoload, except on a machine with NVIDIA GPUs: see :mod:`hf_tpu._autoload`) registers the device::
 
     import torch
     x = torch.ones(2, device="tpu")
@@ -9,10 +9,11 @@ autoload) registers the device::
 
 import torch  # noqa: F401  (first: if torch autoloads hf_tpu, it does so before .backend is half-imported)
 
-from ._autoload import load as _load
+from . import _autoload
 from .backend import register
 
-_load()
+if not _autoload.imported_by_torch_autoload():  # under autoload, torch calls _autoload.load() itself
+    _autoload.register_or_warn()
 
 
 def __getattr__(name: str) -> object:

@@ -24,11 +24,12 @@ def _environment(autoload: bool) -> dict[str, str]:
     return environment
 
 
-def run_python(code: str, autoload: bool = True) -> subprocess.CompletedProcess:
-    """Runs ``python -c code`` in a fresh interpreter; fails the test if it exits non-zero."""
+def run_python(code: str, autoload: bool = True, **variables: str) -> subprocess.CompletedProcess:
+    """Runs ``python -c code`` in a fresh interpreter (with environment ``variables`` added); fails the test if it
+    exits non-zero."""
     completed = subprocess.run(
         [sys.executable, "-c", code],
-        env=_environment(autoload),
+        env={**_environment(autoload), **variables},
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT,
@@ -139,3 +140,25 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 1, commands
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert any(line.startswith(commands[0]) for line in ci_lines), f"{commands[0]!r} is not in .ci/run"
+
+
+_AS_IF_NVIDIA_GPUS = """
+import sys, torch
+torch.backends.cuda.is_built = lambda: True
+torch.cuda._device_count_nvml = lambda: 1
+torch._import_device_backends()  # what `import torch` runs at its end when autoload is on
+print(torch._C._get_privateuse1_backend_name(), 'hf_tpu' in sys.modules)
+"""
+
+
+def test_autoload_leaves_a_machine_with_nvidia_gpus_to_cuda():
+    """Registering PrivateUse1 makes torch's autograd engine fail every CUDA backward (pytorch#161129), so
+    autoload does not; ``import hf_tpu`` then registers the device."""
+    completed = run_python(_AS_IF_NVIDIA_GPUS + "import hf_tpu; print(torch.ones(2, device='tpu').device)",
+                           autoload=False)
+    assert completed.stdout.split() == ["privateuseone", "False", "tpu:0"]
+
+
+def test_autoload_registers_beside_nvidia_gpus_when_a_platform_is_asked_for():
+    completed = run_python(_AS_IF_NVIDIA_GPUS, autoload=False, HF_TPU_PLATFORM="cpu")
+    assert completed.stdout.split() == ["tpu", "True"]

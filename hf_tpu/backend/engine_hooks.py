@@ -75,6 +75,13 @@ def _raise_kept_errors(run: Callable[..., Any]) -> Callable[..., Any]:
 def _check_autograd_roots(tensors: Any) -> None:
     roots = [tensors] if isinstance(tensors, torch.Tensor) else tensors
     for tensor in roots or ():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            raise RuntimeError(
+                "backward through cuda tensors cannot run in a process where the tpu device is registered: torch's "
+                "autograd engine follows one accelerator, PrivateUse1 once it is registered, and fails an internal "
+                "assert on CUDA nodes (pytorch/pytorch#161129). Train on cuda in a process that does not import "
+                "hf_tpu (on a machine with NVIDIA GPUs `import torch` leaves it off unless HF_TPU_PLATFORM is set)."
+            )
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "tpu" and tensor.device.index:
             raise RuntimeError(
                 f"backward through tensors on {tensor.device} is not supported: torch's Python device guard "
@@ -84,7 +91,7 @@ def _check_autograd_roots(tensors: Any) -> None:
 
 
 def _wrap_autograd_entry_points() -> None:
-    """``backward``/``grad`` on ``tpu:k`` (k > 0) would fail an internal assert of the engine: say why
+    """``backward``/``grad`` on ``tpu:k`` (k > 0) or on cuda would fail an internal assert of the engine: say why
     instead; and raise hook exceptions that the device guard kept (see the module docstring)."""
     backward, grad = torch.autograd.backward, torch.autograd.grad
     checked_run_backward = _raise_kept_errors(backward)
