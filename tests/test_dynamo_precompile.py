@@ -277,7 +277,7 @@ def outer(x):
 """
 
 _MODULES_CHILD = r"""
-import json, sys
+import json, logging, sys
 import torch
 from torch._dynamo import package
 from torch._dynamo.utils import counters
@@ -290,9 +290,13 @@ if sys.argv[2] == "failing install":  # the package's last guards cannot be rebu
             raise IndexError("list index out of range")
         return load(state, code, *args)
     package.load_guard_manager = failing_for_inners_resume
+warnings = []
+logging.getLogger("torch._dynamo").addHandler(logging.Handler())
+logging.getLogger("torch._dynamo").handlers[-1].emit = lambda record: warnings.append(record.getMessage())
 x = torch.arange(3.0).to("tpu")
 value = {"property": torch.compile(modules.Doubling(), backend="tpu")(x).cpu().tolist(),
          "nested": [torch.compile(modules.outer, backend="tpu")(x).cpu().tolist() for _ in range(2)]}
+assert not [w for w in warnings if "dynamo cache" in w], warnings  # a package that cannot be used is a cache miss
 print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
                   "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
 """

@@ -426,9 +426,13 @@ def _undone_when_it_fails(original: Callable) -> Callable:
         except Exception as error:  # a saved value missing here, say: Dynamo traces the function instead
             self.uninstall()
             _forget_entries_of_every_code(self)
-            self._initialized = False  # torch's recovery initializes the package again, empty
-            raise RuntimeError(f"hf_tpu: a saved Dynamo package cannot be installed in this process "
-                               f"({type(error).__name__}: {error})") from error
+            # torch's own recovery (initializing the package again, empty) after logging the error as a warning
+            # with its traceback, for what is a cache miss
+            self._initialized = False
+            self.initialize(self._innermost_fn, None, ignore_inlined_sources=False)
+            _log.info("hf_tpu: a saved Dynamo package of %s cannot be installed in this process (%s: %s); "
+                        "Dynamo traces it", getattr(self._innermost_fn, "__qualname__", "?"),
+                        type(error).__name__, error)
     return install
 
 
