@@ -172,6 +172,20 @@ def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_
     return tuple(g if keep else None for g, keep in zip(wanted, grad_input_mask))
 
 
+def _backward_shapes(grad_out, query, key, value, attn_bias, *rest, **options):
+    """The fused backward's meta function: gradients shaped as its inputs."""
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            None if attn_bias is None else torch.empty_like(attn_bias))
+
+
+# torch 2.11 has no meta function for the fused backward (2.13 has): tracing a graph through it (a compiled
+# backward) would make FakeTensor run the real kernel on fake tensors
+_backward_meta = None
+if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_FUSED}_backward", "Meta"):
+    _backward_meta = torch.library.Library("aten", "IMPL")
+    _backward_meta.impl(f"{_FUSED}_backward", _backward_shapes, "Meta")
+
+
 def _fused_unsupported() -> bool:
     """Whether a transform the fused op does not support is in effect, so the math path (whose ops have batching
     rules, forward-AD formulas and derivatives of their backward ops) must be taken:
