@@ -210,3 +210,22 @@ def test_long_attention_runs_on_the_flash_kernel_where_pallas_kernels_are_used(m
     assert_same(F.scaled_dot_product_attention(*to_tpu((short, k, v))), F.scaled_dot_product_attention(short, k, v),
                 atol=1e-5, rtol=1e-5)
     assert not calls
+
+
+def test_a_padding_mask_on_tpu_is_not_read_by_the_host(monkeypatch):
+    """transformers asks whether a padding mask holds any padding (a host read) to pass SDPA ``is_causal``
+    instead; on tpu the mask is kept, with the same logits, and nothing waits for the device."""
+    from hf_tpu.backend import checks
+
+    model = tiny_llama(num_hidden_layers=1, attn_implementation="sdpa").eval()
+    ids, mask = torch.tensor([[1, 5, 9, 3, 7]]), torch.ones(1, 5, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).logits
+        model.to("tpu")
+        model(ids.to("tpu"), attention_mask=mask.to("tpu"))  # compiles its ops first
+        reads = []
+        raise_pending = checks.raise_pending
+        monkeypatch.setattr(checks, "raise_pending", lambda: (reads.append(1), raise_pending())[1])
+        actual = model(ids.to("tpu"), attention_mask=mask.to("tpu")).logits
+        assert not reads
+    assert_same(actual, expected, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import check_against_cpu
+from conftest import assert_same, check_against_cpu
 
 torch.manual_seed(0)
 SHAPE = (4, 6)
@@ -206,7 +206,13 @@ def test_hash_tensor(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_trace(dtype):
-    check_against_cpu(torch.trace, (torch.randn(4, 5) * 3).to(dtype))
+    x = (torch.randn(4, 5) * 3).to(dtype)
+    try:
+        torch.trace(x)
+    except NotImplementedError:  # torch 2.11's CPU has no bfloat16 trace: the sum in float32, rounded once
+        assert_same(torch.trace(x.to("tpu")), torch.trace(x.float()).to(dtype))
+        return
+    check_against_cpu(torch.trace, x)
 
 
 def test_logcumsumexp_rounds_as_cpu_on_large_values_and_keeps_infinities():

@@ -22,6 +22,9 @@
 - Under torchrun, ``Trainer`` asks ``DistributedDataParallel`` to find unused parameters unless told otherwise
   (``ddp_find_unused_parameters=None``: a guess made for activation checkpointing), which torch's reducer cannot
   do for tpu parameters (see ``hf_tpu.distributed.data_parallel``): on tpu that default is False.
+- ``masking_utils._ignore_causal_mask_sdpa`` (transformers/masking_utils.py) reads a padding mask on the host to
+  decide whether SDPA can drop it for ``is_causal``: a host wait at every step of a generate with a mask (5.17
+  always passes one). On tpu the mask is kept instead; the result is the same.
 - Releases whose ``_can_use_grouped_mm`` has no tpu branch send compiled float32 experts to a Python loop
   of matmuls; tpu lowers ``aten::_grouped_mm`` for every dtype, eager and compiled, so it is always used
   (5.24 has the branch: nothing is patched there, and the patch elsewhere is traced by Dynamo).
@@ -375,6 +378,25 @@ def _install_trainer(trainer: Any) -> None:
         trainer_class._build_accelerator_args = _tpu_ddp_default(build)
 
 
+def _mask_kept_without_a_read(original: Callable[..., bool]) -> Callable[..., bool]:
+    @functools.wraps(original)
+    def ignore_causal_mask_sdpa(padding_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> bool:
+        """False for a padding mask on tpu: SDPA gets the mask, which gives the causal path's result, rather
+        than the host waiting for the device to learn whether the mask holds any padding (upstream's
+        ``fast_all(padding_mask)``, at every decode step that has a mask)."""
+        if padding_mask is not None and padding_mask.device.type == "tpu":
+            return False
+        return original(padding_mask, *args, **kwargs)
+
+    return ignore_causal_mask_sdpa
+
+
+def _install_mask_without_reads(masking_utils: Any) -> None:
+    current = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if current is not None and getattr(current, "__wrapped__", None) is None:
+        masking_utils._ignore_causal_mask_sdpa = _mask_kept_without_a_read(current)
+
+
 def install(transformers: Any) -> None:
     """Registers the hooks above to run when the transformers modules they patch are imported."""
     when_imported("transformers.modeling_utils", _install_loading)
@@ -385,3 +407,4 @@ def install(transformers: Any) -> None:
     when_imported("transformers.integrations.moe", _install_grouped_mm)
     when_imported("transformers.pipelines.base", _install_pipeline_device)
     when_imported("transformers.trainer", _install_trainer)
+    when_imported("transformers.masking_utils", _install_mask_without_reads)
