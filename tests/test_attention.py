@@ -228,4 +228,6 @@ def test_a_padding_mask_on_tpu_is_not_read_by_the_host(monkeypatch):
         monkeypatch.setattr(checks, "raise_pending", lambda: (reads.append(1), raise_pending())[1])
         actual = model(ids.to("tpu"), attention_mask=mask.to("tpu")).logits
         assert not reads
+        explained = torch._dynamo.explain(model)(ids.to("tpu"), attention_mask=mask.to("tpu"))
     assert_same(actual, expected, atol=1e-4, rtol=1e-4)
+    assert explained.graph_break_count == 0, explained.break_reasons  # the patched check is traced

@@ -100,11 +100,19 @@ class _KeyDetails:
         self.functorch_config = torch._functorch.config.save_config()
         self.user_tag = torch.compiler.config.cache_key_tag
         self.sac_hashes = autograd_cache._collect_context_fn_hashes(graph_module)
-        self.hook_hashes = autograd_cache._collect_saved_tensors_hooks_fx_wrap_cache_hashes(graph_module)
+        self.hook_hashes = _saved_tensors_hooks_hashes(graph_module)
         self.versions = (sys.version, torch.__version__, torch.version.git_version, cache_tag())
         # the chips and hf_tpu's switches (kernel choices, checks, platform) may shape the traced graph
         self.device = (runtime.backing_platform(), len(runtime.devices()))
         self.environment = {name: os.environ.get(name) for name in runtime.VARIABLES if name != "HF_TPU_CACHE_DIR"}
+
+
+def _saved_tensors_hooks_hashes(graph_module: torch.fx.GraphModule) -> tuple[list[str], ...]:
+    """The cache hashes of the user's wrapped saved-tensors hooks, pack and unpack, as torch keys them (torch 2.13
+    has a helper for this; 2.11 computes it inside Inductor's key)."""
+    hooks = (getattr(graph_module, f"saved_tensors_hooks_{kind}_0", None) for kind in ("pack", "unpack"))
+    return tuple([node.meta["user_cache_hash"] for node in hook.graph.nodes if node.meta.get("is_wrapped", False)]
+                 if hook is not None else [] for hook in hooks)
 
 
 def cache_key(graph_module: Any, example_inputs: Sequence[Any], aot_config: Any,

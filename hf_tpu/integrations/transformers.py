@@ -394,7 +394,11 @@ def _mask_kept_without_a_read(original: Callable[..., bool]) -> Callable[..., bo
 def _install_mask_without_reads(masking_utils: Any) -> None:
     current = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
     if current is not None and getattr(current, "__wrapped__", None) is None:
-        masking_utils._ignore_causal_mask_sdpa = _mask_kept_without_a_read(current)
+        # traced by Dynamo, which skips hf_tpu's files (hf_tpu.compile), as the upstream function it wraps is:
+        # a compiled forward keeps it in its graph (upstream reads nothing there)
+        import torch._dynamo
+
+        masking_utils._ignore_causal_mask_sdpa = torch._dynamo.dont_skip_tracing(_mask_kept_without_a_read(current))
 
 
 def install(transformers: Any) -> None:
