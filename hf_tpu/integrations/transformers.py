@@ -354,8 +354,10 @@ def _checked_tp_size(original: Callable[..., Any]) -> classmethod:
 
     @functools.wraps(function)
     def maybe_distribute_model(cls: type, model: Any, distributed_config: Any, mesh_manager: Any) -> Any:
-        if mesh_manager is not None and distributed_config.tp_size > 1 and getattr(
-                model, "tp_plan", None) and mesh_manager.get_mesh("tp").device_type == "tpu":
+        # 5.2x passes its mesh manager, earlier releases torch's DeviceMesh
+        tp_mesh = mesh_manager.get_mesh("tp") if hasattr(mesh_manager, "get_mesh") else mesh_manager
+        if tp_mesh is not None and distributed_config.tp_size > 1 and getattr(
+                model, "tp_plan", None) and tp_mesh.device_type == "tpu":
             from ..tp_plans import check_tp_size
 
             check_tp_size(model, distributed_config.tp_size)
