@@ -431,8 +431,7 @@ def _undone_when_it_fails(original: Callable) -> Callable:
             self._initialized = False
             self.initialize(self._innermost_fn, None, ignore_inlined_sources=False)
             _log.info("hf_tpu: a saved Dynamo package of %s cannot be installed in this process (%s: %s); "
-                        "Dynamo traces it", getattr(self._innermost_fn, "__qualname__", "?"),
-                        type(error).__name__, error)
+                      "Dynamo traces it", getattr(self._innermost_fn, "__qualname__", "?"), type(error).__name__, error)
     return install
 
 

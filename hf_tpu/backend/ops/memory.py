@@ -183,9 +183,7 @@ def copy_(self, src, non_blocking=False):
         value = storage.read(src, pending=not transfer)  # a copy on one chip is recorded in fused eager mode
         if transfer:
             value = jax.device_put(value, runtime.device(index))
-    elif src.device.type != "tpu":
-        if src.device.type not in ("cpu", "meta"):  # another accelerator's tensor (cuda) comes through the host
-            return copy_(self, src.cpu(), non_blocking)
+    elif src.device.type in ("cpu", "meta"):
         if src.device.type == "meta":
             raise NotImplementedError(
                 "Cannot copy out of meta tensor; no data! Use 'to_empty()' to move a module off meta."
@@ -200,6 +198,8 @@ def copy_(self, src, non_blocking=False):
             return self
         else:
             value = streams.run_copy(stream, _transferred, src, self.dtype, index)
+    else:  # another accelerator's tensor (cuda) comes through the host
+        return copy_(self, src.cpu(), non_blocking)
     if self.is_complex() is False and jnp.issubdtype(value.dtype, jnp.complexfloating):
         _warn_if_discarding_imaginary(src.dtype, self.dtype)
         value, transfer = fused.apply(_astype(dtypes.to_jax(self.dtype)), "cast", index, value), False
