@@ -516,8 +516,14 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
     one op's ``x * y`` and the next one's ``+ z`` into a fused multiply-add, which rounds differently), and the
     results are those of strict mode, bit for bit. An op with no floating-point value (:func:`_exact`: integer and
     boolean bookkeeping, such as ``generate``'s token and stopping tensors) runs as it is: fusing it cannot change
-    a bit, and a conditional costs XLA about four times the compile time of what it holds."""
+    a bit, and a conditional costs XLA about four times the compile time of what it holds.
+
+    On a GPU no op is isolated (:func:`_isolating`): XLA's GPU runtime runs a conditional by copying its predicate
+    to the host and waiting for the device, which would make every float op of a chain a round trip. There XLA
+    fuses across ops, and only excess precision is ruled out (each op's results keep their dtype's rounding, as
+    in strict mode); a contracted multiply-add may differ from strict mode in the last bit."""
     plan = [(op.trace, op.refs, op.first) for op in ops]
+    isolating = _isolating()
 
     def chain_program(gate, *inputs):
         values = [None] * slots
@@ -526,15 +532,21 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
         found = []
         for trace, refs, first in plan:
             args = jax.tree_util.tree_leaves(_resolve(refs, values))
-            outputs = jax.extend.core.jaxpr_as_fun(trace.jaxpr)(*args) if trace.exact else \
-                _isolated(gate, trace.jaxpr, args)
+            outputs = _isolated(gate, trace.jaxpr, args) if isolating and not trace.exact else \
+                jax.extend.core.jaxpr_as_fun(trace.jaxpr)(*args)
             if trace.check:
                 found.append(outputs.pop())
             values[first:first + len(outputs)] = outputs
         return [values[slot] for slot in live_slots], (checks._first_failure(tuple(found)) if found else None)
 
-    program = jax.jit(chain_program)
-    return lambda *inputs: program(_gate(), *inputs)
+    program = jax.jit(chain_program, compiler_options=None if isolating else {"xla_allow_excess_precision": False})
+    return functools.partial(program, _gate())
+
+
+def _isolating() -> bool:
+    """Whether chain programs run each float op in a conditional of its own (see :func:`_build`): everywhere but
+    on a GPU."""
+    return runtime.backing_platform() != "gpu"
 
 
 def _isolated(gate: Any, jaxpr: Any, args: list) -> list:
