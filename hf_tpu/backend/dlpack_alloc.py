@@ -9,39 +9,16 @@ makes contiguous tensors on index 0.) No memory is ever read through the address
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import torch
 
 _EXT_DEV = 12  # DLDeviceType kDLExtDev
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
 
-
-class _Device(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _Tensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _Device),
-        ("ndim", ctypes.c_int),
-        ("dtype", _DataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _Managed(ctypes.Structure):
-    pass
-
-
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Managed))
-_Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+# DLManagedTensor (dlpack.h), packed in one call: data, device (type, id), ndim, dtype (code, bits, lanes), shape and
+# strides pointers, byte_offset, manager_ctx, deleter; then the shape and strides arrays (int64 each).
+_HEAD = struct.Struct("=QiiiBBHQQQQQ")
 
 # Each capsule's struct, shape and strides live in one malloc'd block that torch frees with libc's
 # free when the tensor's storage dies. No Python runs then: a Python deleter called while an
@@ -54,7 +31,7 @@ _malloc.argtypes = [ctypes.c_size_t]
 _free = _libc.free
 _free.restype = None
 _free.argtypes = [ctypes.c_void_p]
-_FREE = _Deleter(ctypes.cast(_free, ctypes.c_void_p).value)
+_FREE = ctypes.cast(_free, ctypes.c_void_p).value
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
@@ -86,23 +63,14 @@ def tensor_at(address: int, shape: tuple, stride: tuple, dtype: torch.dtype, dev
     carrier = dtype if code is not None else torch.uint8  # e.g. float8: same bytes, viewed below
     ndim = len(shape)
     slots = max(ndim, 1)
-    head = ctypes.sizeof(_Managed)
-    block = _malloc(head + 2 * slots * 8)
+    size = _HEAD.size + 2 * slots * 8
+    block = _malloc(size)
     if not block:
         raise MemoryError("hf_tpu: cannot allocate a DLPack descriptor")
-    sizes = (ctypes.c_int64 * slots).from_address(block + head)
-    strides = (ctypes.c_int64 * slots).from_address(block + head + slots * 8)
-    sizes[:ndim], strides[:ndim] = shape, stride
-    managed = _Managed.from_address(block)
-    managed.dl_tensor.data = address
-    managed.dl_tensor.device = _Device(_EXT_DEV, device_index)
-    managed.dl_tensor.ndim = ndim
-    managed.dl_tensor.dtype = _DataType(_code(carrier), carrier.itemsize * 8, 1)
-    managed.dl_tensor.shape = sizes
-    managed.dl_tensor.strides = strides
-    managed.dl_tensor.byte_offset = 0
-    managed.manager_ctx = None
-    managed.deleter = _FREE
+    sizes = block + _HEAD.size
+    ctypes.memmove(block, _HEAD.pack(address, _EXT_DEV, device_index, ndim, _code(carrier), carrier.itemsize * 8, 1,
+                                     sizes, sizes + slots * 8, 0, 0, _FREE)
+                   + struct.pack(f"={2 * slots}q", *(shape or (0,)), *(stride or (0,))), size)
     capsule = _capsule_new(block, b"dltensor", None)
     try:
         tensor = torch._C._from_dlpack(capsule)
