@@ -92,6 +92,25 @@ def test_accelerator_device_is_tpu_without_environment_variables(fresh_accelerat
     assert model.weight.device.type == "tpu"
 
 
+def test_accelerator_picks_tpu_over_cuda_as_transformers_does(fresh_accelerate_state, monkeypatch):
+    """On a machine with CUDA (simulated: accelerate's own choice is cuda), accelerate picks tpu, as
+    ``TrainingArguments.device`` does, so that a Trainer's model and batches meet; ``ACCELERATE_TORCH_DEVICE``
+    keeps its choice."""
+    from accelerate.state import PartialState
+
+    from hf_tpu.integrations import accelerate as integration
+
+    chosen = integration._default_device(lambda state: torch.device("cuda", 0))
+    assert chosen(None) == torch.device("tpu")
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "cuda")
+    assert chosen(None) == torch.device("cuda", 0)
+    monkeypatch.delenv("ACCELERATE_TORCH_DEVICE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert PartialState().device == torch.device("tpu")
+    assert transformers.TrainingArguments(output_dir="unused", report_to=[]).device.type == "tpu"
+
+
 def test_accelerator_on_cpu_when_asked(fresh_accelerate_state):
     from accelerate import Accelerator
 

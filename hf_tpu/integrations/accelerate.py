@@ -1,7 +1,7 @@
 """accelerate: make tpu the default device, give its memory planner the chips' memory, and run under torchrun.
 
 accelerate (1.x) knows TPUs only through torch_xla. Without these hooks ``Accelerator().device`` is the
-CPU unless ``ACCELERATE_TORCH_DEVICE=tpu`` is set, ``device_map="auto"`` silently loads on the CPU
+CPU (or CUDA, which transformers' Trainer does not pick while tpu is there) unless ``ACCELERATE_TORCH_DEVICE=tpu`` is set, ``device_map="auto"`` silently loads on the CPU
 because ``get_max_memory`` lists no tpu memory, and under torchrun (one process per chip) accelerate sees no
 distributed backend, so ``Trainer`` trains each rank alone. An explicit ``Accelerator(cpu=True)``, a user's
 ``max_memory`` and ``ACCELERATE_TORCH_DEVICE`` keep taking precedence.
@@ -22,10 +22,16 @@ def _tpu_available() -> bool:
 
 
 def _default_device(original: Callable[[Any], torch.device]) -> Callable[[Any], torch.device]:
+    """tpu where accelerate would pick the CPU, or CUDA: transformers' ``TrainingArguments.device`` picks tpu before
+    cuda, and a Trainer whose accelerate state picked cuda would put the model on one and the batches on the
+    other. ``ACCELERATE_TORCH_DEVICE`` keeps its choice."""
+
     @functools.wraps(original)
     def default_device(self: Any) -> torch.device:
         device = original(self)
-        return torch.device("tpu") if device.type == "cpu" and _tpu_available() else device
+        if device.type in ("cpu", "cuda") and "ACCELERATE_TORCH_DEVICE" not in os.environ and _tpu_available():
+            return torch.device("tpu")
+        return device
 
     return default_device
 
