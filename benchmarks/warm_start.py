@@ -69,7 +69,9 @@ def measure(device: str, backend: str, cache_dir: str, **environment: str) -> di
                                text=True, timeout=900)
     if completed.returncode:
         raise SystemExit(completed.stderr)
-    return json.loads(completed.stdout.strip().splitlines()[-1])
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    print(f"measured {device} {backend} {environment or ''}: {result['wall']:.2f} s", file=sys.stderr, flush=True)
+    return result
 
 
 def best(runs: int, *args: str, **environment: str) -> dict:
