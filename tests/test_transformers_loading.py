@@ -83,6 +83,18 @@ def test_accelerate_plans_with_tpu_memory():
         get_max_memory({7: 1000})
 
 
+def test_accelerate_plans_tpu_memory_where_cuda_is_there_too(monkeypatch):
+    """accelerate's own plan lists CUDA's memory by index where CUDA is there (simulated); while tpu is the
+    accelerator (``torch.device(0)`` is ``tpu:0``), the indices are tpu chips, with the chips' memory."""
+    from hf_tpu.integrations import accelerate as integration
+
+    cuda_plan = {0: 7 * 10**12, "cpu": 1000}
+    planned = integration._get_max_memory(lambda max_memory=None: dict(cuda_plan))()
+    assert planned == {**{index: pytest.approx(torch.tpu.mem_get_info(index)[0], rel=0.2)
+                          for index in range(torch.tpu.device_count())}, "cpu": 1000}
+    assert torch.device(0).type == "tpu"
+
+
 def test_accelerator_device_is_tpu_without_environment_variables(fresh_accelerate_state):
     from accelerate import Accelerator
 

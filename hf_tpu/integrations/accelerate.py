@@ -45,10 +45,10 @@ def _get_max_memory(original: Callable[..., dict]) -> Callable[..., dict]:
             return original(max_memory)
         if max_memory is None:
             result = original(None)
-            if any(isinstance(key, int) for key in result):  # another accelerator accelerate knows
-                return result
+            if any(isinstance(key, int) for key in result) and torch.accelerator.current_accelerator().type != "tpu":
+                return result  # another accelerator accelerate knows, which torch.device(index) names
             chips = {index: torch.tpu.mem_get_info(index)[0] for index in range(torch.tpu.device_count())}
-            return {**chips, **result}
+            return {**chips, **{key: size for key, size in result.items() if not isinstance(key, int)}}
         from accelerate.utils import convert_file_size_to_int
 
         for key, size in max_memory.items():  # in place, as accelerate does: transformers compares the sizes after
