@@ -121,6 +121,33 @@ def test_upsample_1d_and_3d(mode, shape):
                       atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pool, shape, options", [
+    (F.max_pool1d, (2, 3, 11), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+    (F.max_pool2d, (2, 3, 9, 11), dict(kernel_size=3, stride=2, padding=1)),
+    (F.max_pool2d, (2, 3, 9, 11), dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(2, 1),
+                                       ceil_mode=True)),
+    (F.max_pool2d, (3, 8, 8), dict(kernel_size=2)),
+    (F.max_pool3d, (2, 2, 6, 7, 5), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True)),
+], ids=["1d", "2d", "2d-dilated-ceil", "2d-unbatched", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_max_pool_values_indices_and_gradients(pool, shape, options, dtype):
+    """Max pooling's own lowering (torch 2.11 has no decomposition to fall back on): CPU's values and indices,
+    ties (the first maximum), infinities and NaN (a window holding NaNs gives the last one's index)."""
+    x = torch.randn(shape).to(dtype)
+    x[..., 1] = float("nan")
+    x[..., 2] = float("nan")
+    x[..., 0] = float("inf")
+    x[..., 3] = x[..., 4]
+    values, indices = pool(x, return_indices=True, **options)
+    tpu_values, tpu_indices = pool(x.to("tpu"), return_indices=True, **options)
+    assert torch.equal(tpu_indices.cpu(), indices)
+    assert torch.equal(tpu_values.cpu().isnan(), values.isnan())
+    assert torch.equal(tpu_values.cpu().nan_to_num(), values.nan_to_num())
+    finite = leaf(torch.randn(shape).to(dtype))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # CPU sums overlapping windows' gradients in bfloat16
+    check_against_cpu(with_grads(lambda t: pool(t, **options)), finite, atol=tolerance, rtol=tolerance)
+
+
 def test_upsample_bfloat16():
     image = torch.randn(1, 2, 4, 5, dtype=torch.bfloat16)
     check_against_cpu(lambda x: F.interpolate(x, scale_factor=2.0, mode="bilinear"), image, atol=2e-2, rtol=2e-2)

@@ -1,4 +1,4 @@
-"""Pooling: average (fixed and adaptive windows), adaptive max, and max-pool backward; upsampling.
+"""Pooling: average (fixed and adaptive windows), max (fixed and adaptive), and max-pool backward; upsampling.
 
 Windows are static (they depend only on shapes), so averages are one ``lax.reduce_window`` sum
 divided by a constant count array, and adaptive pools are products with constant averaging
@@ -160,6 +160,52 @@ def _adaptive_max(x, output_size):
                                       axis=-1)[..., 0] + best.astype(jnp.int64) * stride
         values, index = jnp.moveaxis(picked, -1, axis), jnp.moveaxis(offsets, -1, axis)
     return values, index
+
+
+def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, n):
+    """Max over each window of the last ``n`` dims and its flat position in the input plane, as CPU picks it:
+    the first maximum, or, where the window holds NaN, the last NaN. Windows are one gather at constant
+    positions (the padding never wins)."""
+    kernel = _expand(kernel_size, n)
+    stride = _expand(stride, n) if stride else kernel
+    padding, dilation = _expand(padding, n), _expand(dilation, n)
+    spatial = x.shape[-n:]
+    outs = [_pool_geometry(h, d * (k - 1) + 1, s, p, ceil_mode)
+            for h, k, s, p, d in zip(spatial, kernel, stride, padding, dilation)]
+    positions, inside = np.zeros((), np.int64), np.ones((), bool)  # over (out_1..out_n, window_1..window_n)
+    for i, (h, k, s, p, d, o) in enumerate(zip(spatial, kernel, stride, padding, dilation, outs)):
+        along = np.arange(o)[:, None] * s - p + np.arange(k)[None, :] * d  # this dim's positions (out, window)
+        shape = [1] * (2 * n)
+        shape[i], shape[n + i] = o, k
+        along = along.reshape(shape)
+        positions = positions + along * math.prod(spatial[i + 1:])
+        inside = inside & (along >= 0) & (along < h)
+    positions = positions.reshape(tuple(outs) + (-1,))
+    inside = inside.reshape(positions.shape)
+    lead = x.shape[:-n]
+    windows = jnp.take(x.reshape(lead + (-1,)), np.where(inside, positions, 0), axis=-1)
+    floating = jnp.issubdtype(x.dtype, jnp.inexact)
+    lowest = -jnp.inf if floating else jnp.iinfo(x.dtype).min
+    windows = jnp.where(inside, windows, jnp.asarray(lowest, x.dtype))
+    choice = jnp.argmax(jnp.where(jnp.isnan(windows), jnp.asarray(lowest, x.dtype), windows) if floating
+                        else windows, axis=-1)
+    if floating:
+        nans = jnp.isnan(windows)
+        last_nan = windows.shape[-1] - 1 - jnp.argmax(nans[..., ::-1], axis=-1)
+        choice = jnp.where(nans.any(axis=-1), last_nan, choice)
+    values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(jnp.broadcast_to(positions, windows.shape), choice[..., None], axis=-1)[..., 0]
+    return values, indices.astype(jnp.int64)
+
+
+@lowering("max_pool2d_with_indices", "max_pool2d_with_indices.out")
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@lowering("max_pool3d_with_indices", "max_pool3d_with_indices.out")
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
 
 
 @lowering("adaptive_max_pool2d", "adaptive_max_pool2d.out")
