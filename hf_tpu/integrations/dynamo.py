@@ -74,6 +74,12 @@ plus when to write:
   package recorded so far); a package holding a tpu graph is written as soon as Dynamo records it
   (``DynamoCache.record_package``), that package alone, unless ``HF_TPU_CACHE_DIR=off``, so the next process
   finds it without a call.
+
+One change is not about precompile: **tpu_dist groups in traced code on torch 2.11**
+(``torch/_dynamo/variables/distributed.py``, ``ProcessGroupVariable.is_process_group``): torch 2.11 takes a value
+for a process group only if its type is ``ProcessGroup`` itself, so a ``tpu_dist`` group (a subclass) was traced as
+a plain object, and a functional collective over it broke the graph at its ``group_name`` ("Attempted to call
+function marked as skipped"). Any ``ProcessGroup`` is one here. torch 2.13 has no such check (a no-op there).
 """
 
 
@@ -116,6 +122,7 @@ def install(dynamo: types.ModuleType) -> None:
     _patch(package.CompilePackage, "_add_user_function", _leaving_out_functions_it_cannot_name)
     _patch(package.CompilePackage, "_install_global", _listing_each_name_once_past_the_counter)
     _patch(importlib.import_module("torch._dynamo.eval_frame"), "_optimize", _only_for_backends_that_run_on_tpu)
+    _accept_process_group_subclasses(importlib.import_module("torch._dynamo.variables.distributed"))
     from ..backend import runtime
 
     runtime.when_first_used(_on_in_processes_using_tpu)
@@ -142,6 +149,23 @@ def _patch(owner: Any, name: str, change: Callable[[Callable], Callable]) -> Non
     patched = functools.wraps(original)(change(original))
     setattr(patched, _PATCHED, True)
     setattr(owner, name, patched)
+
+
+def _accept_process_group_subclasses(distributed: types.ModuleType) -> None:
+    """torch 2.11's ``ProcessGroupVariable.is_process_group`` taking any ``ProcessGroup`` (see the docstring)."""
+    variable = getattr(distributed, "ProcessGroupVariable", None)
+    original = getattr(variable, "is_process_group", None)
+    if original is None or getattr(original, _PATCHED, False):
+        return
+
+    @functools.wraps(original)
+    def is_process_group(value: object) -> bool:
+        import torch.distributed as dist
+
+        return original(value) or (dist.is_available() and isinstance(value, dist.ProcessGroup))
+
+    setattr(is_process_group, _PATCHED, True)
+    variable.is_process_group = staticmethod(is_process_group)
 
 
 def _named(module: Any, qualname: str) -> Any:
