@@ -55,7 +55,7 @@ def case_funcol_all_reduce_is_async_and_exact():
 
 def case_functional_ops_by_name_and_by_group():
     rank = dist.get_rank()
-    by_group = "str group_name" not in str(ops.all_reduce.default._schema)  # torch 2.12 on also take the group
+    by_group = "str group_name" not in str(ops.all_reduce.default._schema)  # 2.13: a group too
     for group in (_name(), dist.group.WORLD) if by_group else (_name(),):
         everyone = _every_rank(4, 3)
         _same(ops.wait_tensor(ops.all_reduce(_mine(4, 3), "sum", group)), sum(everyone))
@@ -266,7 +266,7 @@ def case_bad_input_says_what_to_do():
     _raises(ValueError, r"dim 0 of the input \(\(3,\)\) divisible by the group size",
             lambda: ops.reduce_scatter_tensor(torch.ones(3, device="tpu"), "sum", WORLD, _name()))
     peer = 1 - dist.get_rank()
-    if hasattr(ops, "isend"):  # torch 2.12 on
+    if hasattr(ops, "isend"):  # torch 2.13 has them, 2.11 not
         _raises(NotImplementedError, "send of tpu tensors is not supported yet",
                 lambda: ops.isend(tpu, peer, 0, _name()))
         _raises(NotImplementedError, "recv of tpu tensors is not supported yet",
