@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import pathlib
 import pickle
@@ -193,9 +192,8 @@ def test_kernels_function_modules_are_saved_by_name() -> None:
 
 
 class _Package:
-    def __init__(self, device_type: str, backend_ids: tuple = ()) -> None:
-        self.entry = types.SimpleNamespace(device_type=device_type, fn_name="Model.forward",
-                                           codes=[types.SimpleNamespace(backend_ids=list(backend_ids))])
+    def __init__(self, device_type: str) -> None:
+        self.entry = types.SimpleNamespace(device_type=device_type, fn_name="Model.forward")
         self.source_id = "model-forward"
 
     def cache_entry(self) -> types.SimpleNamespace:
@@ -236,25 +234,6 @@ def test_a_package_that_cannot_be_written_warns_and_the_compile_goes_on(monkeypa
         package.DynamoCache.record_package(_Package("tpu"))
     assert any("could not save Model.forward" in str(warning.message) and "disk full" in str(warning.message)
                for warning in caught)
-
-
-def test_a_package_whose_compile_left_no_backend_artifact_is_not_written_and_not_warned_about(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A compile AOTAutograd's cache bypassed left nothing to save: torch logged "Backend not found" at WARNING
-    (every ``hf-tpu demo``), and the package was written anyway; now it is skipped, at INFO."""
-    from torch._dynamo import package
-    from torch._dynamo.precompile_context import PrecompileContext
-
-    writes = []
-    monkeypatch.setattr(PrecompileContext, "record_dynamo_cache_entry", lambda **_: None)
-    monkeypatch.setattr(PrecompileContext, "_backend_artifacts_by_key", {"__compiled_fn_1": object()})
-    monkeypatch.setattr(package.DynamoCache, "write", lambda entry, key: writes.append(key))
-    with caplog.at_level(logging.INFO):
-        package.DynamoCache.record_package(_Package("tpu", ("__compiled_fn_1", "__compiled_fn_2")))
-    assert writes == []
-    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]
-    assert any("not saved" in record.getMessage() and "__compiled_fn_2" in record.getMessage()
-               for record in caplog.records)
 
 
 _DEFAULT_CHILD = r"""

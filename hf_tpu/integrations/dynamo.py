@@ -73,9 +73,7 @@ plus when to write:
 - **When to write**: torch writes packages only when asked (``torch.compiler.save_cache_artifacts()``, every
   package recorded so far); a package holding a tpu graph is written as soon as Dynamo records it
   (``DynamoCache.record_package``), that package alone, unless ``HF_TPU_CACHE_DIR=off``, so the next process
-  finds it without a call. A package one of whose compiles AOTAutograd's cache bypassed has no backend
-  artifact to save: it is not written (logged at INFO; torch logged "Backend not found" at WARNING in every
-  process, ``hf-tpu demo``'s compiled decode step among them).
+  finds it without a call.
 
 One change is not about precompile: **tpu_dist groups in traced code on torch 2.11**
 (``torch/_dynamo/variables/distributed.py``, ``ProcessGroupVariable.is_process_group``): torch 2.11 takes a value
@@ -247,14 +245,8 @@ def _written_when_recorded(original: Callable) -> Callable:
         from torch._dynamo import package as packages
         from torch._dynamo.precompile_context import PrecompileContext
 
-        artifacts = PrecompileContext._backend_artifacts_by_key
-        missing = sorted({backend for code in entry.codes for backend in code.backend_ids} - artifacts.keys())
-        if missing:  # a compile AOTAutograd's cache bypassed: nothing to save (torch would log it as a warning)
-            _log.info("hf_tpu: Dynamo's package of %s is not saved: no saved backend artifact for %s; the next "
-                      "process traces it again", entry.fn_name, ", ".join(map(str, missing)))
-            return
         try:  # this package only: torch's save_to_dynamo_cache writes every package recorded so far, each time
-            saved = packages.PrecompileCacheEntry.from_cache_entry(entry, artifacts)
+            saved = packages.PrecompileCacheEntry.from_cache_entry(entry, PrecompileContext._backend_artifacts_by_key)
             packages.DynamoCache.write(saved, package.source_id)
         except Exception as error:  # the compiled function runs on; only the next process traces it again
             warnings.warn(f"hf_tpu: torch's caching precompile could not save {entry.fn_name} "
