@@ -188,7 +188,8 @@ def compare_with_cpu(title: str, workload: Callable[[str], Callable[[], object]]
           f"fused: {counts['flushes']} chain runs, {counts['program_hits']} cache hits, "
           f"{counts['program_misses']} misses")
     print(f"  where fused mode's time goes: host until the call returns {fused_time.host * 1e3:.2f} "
-          f"({fused_time.host / cpu:.2f}x cpu), XLA running its chains alone {chains * 1e3:.2f} ({chains / cpu:.2f}x cpu)")
+          f"({fused_time.host / cpu:.2f}x cpu), XLA running its chains alone {chains * 1e3:.2f} "
+          f"({chains / cpu:.2f}x cpu)")
     if on_cuda and torch.cuda.is_available():
         cuda = timed_in_mode("cuda", "strict", workload("cuda"), repeats).total
         print(f"  torch cuda eager {cuda * 1e3:.2f} on {torch.cuda.get_device_name()}: fused / cuda "

@@ -39,7 +39,8 @@ unique var where xlogy
 nn.functional.conv1d nn.functional.conv2d nn.functional.conv3d nn.functional.conv_transpose1d
 nn.functional.conv_transpose2d nn.functional.avg_pool1d nn.functional.avg_pool2d nn.functional.avg_pool3d
 nn.functional.max_pool1d nn.functional.max_pool2d nn.functional.max_pool3d nn.functional.adaptive_avg_pool2d
-nn.functional.adaptive_avg_pool3d nn.functional.adaptive_max_pool2d nn.functional.interpolate.nearest nn.functional.interpolate.bilinear
+nn.functional.adaptive_avg_pool3d nn.functional.adaptive_max_pool2d nn.functional.interpolate.nearest
+nn.functional.interpolate.bilinear
 nn.functional.interpolate.area nn.functional.batch_norm nn.functional.layer_norm nn.functional.group_norm
 nn.functional.embedding nn.functional.cross_entropy nn.functional.nll_loss nn.functional.mse_loss
 nn.functional.gelu nn.functional.silu nn.functional.softplus nn.functional.dropout nn.functional.pad.constant

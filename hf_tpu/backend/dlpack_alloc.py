@@ -68,8 +68,8 @@ def tensor_at(address: int, shape: tuple, stride: tuple, dtype: torch.dtype, dev
     if not block:
         raise MemoryError("hf_tpu: cannot allocate a DLPack descriptor")
     sizes = block + _HEAD.size
-    ctypes.memmove(block, _HEAD.pack(address, _EXT_DEV, device_index, ndim, _code(carrier), carrier.itemsize * 8, 1,
-                                     sizes, sizes + slots * 8, 0, 0, _FREE)
+    ctypes.memmove(block, _HEAD.pack(address, _EXT_DEV, device_index, ndim, _UINT if code is None else code,
+                                     carrier.itemsize * 8, 1, sizes, sizes + slots * 8, 0, 0, _FREE)
                    + struct.pack(f"={2 * slots}q", *(shape or (0,)), *(stride or (0,))), size)
     capsule = _capsule_new(block, b"dltensor", None)
     try:

@@ -1,9 +1,10 @@
 """accelerate: make tpu the default device, give its memory planner the chips' memory, and run under torchrun.
 
 accelerate (1.x) knows TPUs only through torch_xla. Without these hooks ``Accelerator().device`` is the
-CPU (or CUDA, which transformers' Trainer does not pick while tpu is there) unless ``ACCELERATE_TORCH_DEVICE=tpu`` is set, ``device_map="auto"`` silently loads on the CPU
-because ``get_max_memory`` lists no tpu memory, and under torchrun (one process per chip) accelerate sees no
-distributed backend, so ``Trainer`` trains each rank alone. An explicit ``Accelerator(cpu=True)``, a user's
+CPU (or CUDA, which transformers' Trainer does not pick while tpu is there) unless ``ACCELERATE_TORCH_DEVICE=tpu``
+is set, ``device_map="auto"`` silently loads on the CPU because ``get_max_memory`` lists no tpu memory, and
+under torchrun (one process per chip) accelerate sees no distributed backend, so ``Trainer`` trains each rank
+alone. An explicit ``Accelerator(cpu=True)``, a user's
 ``max_memory`` and ``ACCELERATE_TORCH_DEVICE`` keep taking precedence.
 """
 

@@ -187,12 +187,13 @@ def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, n):
     floating = jnp.issubdtype(x.dtype, jnp.inexact)
     lowest = -jnp.inf if floating else jnp.iinfo(x.dtype).min
     windows = jnp.where(inside, windows, jnp.asarray(lowest, x.dtype))
-    choice = jnp.argmax(jnp.where(jnp.isnan(windows), jnp.asarray(lowest, x.dtype), windows) if floating
-                        else windows, axis=-1)
     if floating:
         nans = jnp.isnan(windows)
+        first_max = jnp.argmax(jnp.where(nans, jnp.asarray(lowest, x.dtype), windows), axis=-1)
         last_nan = windows.shape[-1] - 1 - jnp.argmax(nans[..., ::-1], axis=-1)
-        choice = jnp.where(nans.any(axis=-1), last_nan, choice)
+        choice = jnp.where(nans.any(axis=-1), last_nan, first_max)
+    else:
+        choice = jnp.argmax(windows, axis=-1)
     values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
     indices = jnp.take_along_axis(jnp.broadcast_to(positions, windows.shape), choice[..., None], axis=-1)[..., 0]
     return values, indices.astype(jnp.int64)
