@@ -12,9 +12,11 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
 - ``torch cpu inductor``: static cache with the decode step compiled by Inductor;
 - ``pure jax``: the same weights in a hand-written JAX decoder (layers under ``lax.scan``, donated
   cache, one jitted prefill and one jitted decode step), the bar our lowering should reach;
-- ``tpu``: the model on the tpu device, ``cache_implementation="static"`` (decode steps compiled
-  by generate through the ``"tpu"`` backend), generate's own eager ops in strict mode;
-- ``tpu fused``: the same in fused eager mode (``torch.tpu.set_eager_mode("fused")``).
+- ``tpu``: the model on the tpu device, ``cache_implementation="static"``: the prefill eager (strict mode),
+  then every decode step in one program (:mod:`hf_tpu.compile.decode_loop`);
+- ``tpu fused``: the same in fused eager mode (``torch.tpu.set_eager_mode("fused")``);
+- ``tpu stepwise``: ``HF_TPU_STEPWISE_DECODE=1``, transformers' own loop: each decode step compiled by
+  generate through the ``"tpu"`` backend, generate's eager ops between steps (fused mode).
 
 A tpu run's clock stops once all the work it queued is done (``torch.tpu.synchronize()``), so that none of it
 runs into the next variant's time.
@@ -23,10 +25,10 @@ After the table, the main thread's CPU time per new token of the pure-JAX and tp
 per token, which the device hides here (XLA's CPU code takes longer per step) but which bounds tokens/s on
 a chip whose step is shorter than it.
 
-``--profile`` adds a per-token breakdown of the tpu run from cProfile, in the main thread's CPU time (less
-noisy than wall time on a loaded machine): the XLA program's launch, graph mode's Python around it, Dynamo
-and AOTAutograd around that, the eager tpu ops (the prefill's and generate's bookkeeping), host reads, and
-the rest of generate's Python.
+``--profile`` adds a per-token breakdown of a tpu stepwise run (strict mode) from cProfile, in the main
+thread's CPU time (less noisy than wall time on a loaded machine): the XLA program's launch, graph mode's
+Python around it, Dynamo and AOTAutograd around that, the eager tpu ops (the prefill's and generate's
+bookkeeping), host reads, and the rest of generate's Python.
 
     python benchmarks/decode.py [--repeats 3] [--skip-inductor] [--profile]
 """
@@ -37,6 +39,7 @@ import argparse
 import copy
 import cProfile
 import functools
+import os
 import pstats
 import time
 
@@ -90,6 +93,19 @@ def timed_together(runs: dict, repeats: int) -> dict[str, tuple[float, list[int]
             results[name][1] = run()
             results[name][0] = min(results[name][0], time.perf_counter() - start)
     return {name: tuple(result) for name, result in results.items()}
+
+
+def stepwise(run):
+    """``run`` with ``HF_TPU_STEPWISE_DECODE=1``: transformers' decoding loop, a compiled step per token."""
+
+    def run_stepwise():
+        os.environ["HF_TPU_STEPWISE_DECODE"] = "1"
+        try:
+            return run()
+        finally:
+            del os.environ["HF_TPU_STEPWISE_DECODE"]
+
+    return run_stepwise
 
 
 def in_eager_mode(mode: str, run):
@@ -268,7 +284,7 @@ def main() -> None:
     run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
     alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),
-                  "tpu fused": in_eager_mode("fused", run_tpu)}
+                  "tpu fused": in_eager_mode("fused", run_tpu), "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu))}
     results.update(timed_together(alternated, args.repeats))
     host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
 
@@ -282,15 +298,16 @@ def main() -> None:
         rate = NEW_TOKENS / seconds
         print(f"{name:<20} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference_tokens):>26}")
     print()
-    for name in ("tpu", "tpu fused"):
+    for name in ("tpu", "tpu fused", "tpu stepwise"):
         rate = NEW_TOKENS / results[name][0]
         print(f"{name} / best torch cpu path: {rate / best_cpu:.2f}x; "
               f"{name} / pure jax: {rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
     print("host CPU per new token (main thread): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:
-        print("\ncProfile of one tpu generate, CPU ms of the main thread per new token (profiling inflates Python):")
-        for name, milliseconds in profile_breakdown(run_tpu).items():
+        print("\ncProfile of one tpu stepwise generate, CPU ms of the main thread per new token (profiling inflates "
+              "Python):")
+        for name, milliseconds in profile_breakdown(stepwise(run_tpu)).items():
             print(f"  {name:<28} {milliseconds:7.2f}")
 
 

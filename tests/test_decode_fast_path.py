@@ -139,7 +139,8 @@ def test_a_held_array_is_not_donated_on_the_cheap_path():
     assert compile_stats()["fast_calls"] == 2
 
 
-def test_static_cache_decode_steps_take_the_cheap_path_with_the_tokens_of_cpu():
+def test_static_cache_decode_steps_take_the_cheap_path_with_the_tokens_of_cpu(monkeypatch):
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")  # transformers' loop, a compiled step per token
     cpu_model = tiny_llama(tie_word_embeddings=False).eval()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(0))

@@ -40,8 +40,12 @@ def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return prompt, mask
 
 
+@pytest.mark.parametrize("stepwise", [False, True], ids=["one_program", "stepwise"])
 @pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
-def test_decode_steps_build_their_mask_in_the_compiled_step(monkeypatch, padded):
+def test_decode_steps_build_their_mask_in_the_compiled_step(monkeypatch, padded, stepwise):
+    """In transformers' loop, a compiled step per token (``HF_TPU_STEPWISE_DECODE``), and in the decode loop
+    run as one program."""
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1" if stepwise else "0")
     cpu_model = tiny_llama(tie_word_embeddings=False).eval()
     cpu_model.generation_config.pad_token_id = 0
     tpu_model = copy.deepcopy(cpu_model).to("tpu")

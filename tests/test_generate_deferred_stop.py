@@ -53,8 +53,11 @@ def _host_syncs(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_the_decoding_loop_does_not_wait_for_the_device(models, monkeypatch, cache_implementation):
+@pytest.mark.parametrize(("cache_implementation", "stepwise"), [(None, False), ("static", False), ("static", True)],
+                         ids=["dynamic", "static", "static_stepwise"])
+def test_the_decoding_loop_does_not_wait_for_the_device(models, monkeypatch, cache_implementation, stepwise):
+    """A static cache decodes as one program, or step by step with ``HF_TPU_STEPWISE_DECODE``."""
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1" if stepwise else "0")
     cpu_model, tpu_model = models
     prompt = _prompt()
     tpu_prompt = to_tpu(prompt)

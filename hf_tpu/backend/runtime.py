@@ -29,7 +29,7 @@ _CHECKS = {"1": "deferred", "on": "deferred", "deferred": "deferred", "immediate
 # Every variable hf_tpu reads; another HF_TPU_* name in the environment is most likely a typo.
 VARIABLES = ("HF_TPU_PLATFORM", "HF_TPU_NUM_DEVICES", "HF_TPU_CACHE_DIR", "HF_TPU_CPU_FALLBACK", "HF_TPU_CHECKS",
              "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING", "HF_TPU_PALLAS",
-             "HF_TPU_EAGER_MODE")
+             "HF_TPU_EAGER_MODE", "HF_TPU_STEPWISE_DECODE")
 EAGER_MODES = ("strict", "fused", "debug")
 
 
@@ -62,7 +62,7 @@ def check_environment() -> None:
     checks_mode()
     eager_mode()
     pallas_mode()
-    for name in ("HF_TPU_CPU_FALLBACK", "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE"):
+    for name in ("HF_TPU_CPU_FALLBACK", "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_STEPWISE_DECODE"):
         flag(name)
     if not os.environ.get("HF_TPU_CHECK_TPU_LOWERING", "").strip().lower().startswith("record:"):
         flag("HF_TPU_CHECK_TPU_LOWERING")

@@ -13,7 +13,7 @@ def reset_compile_stats() -> None:
     with _lock:
         _STATS.update(
             graphs=0, compilations=0, cache_hits=0, disk_cache_hits=0, calls=0, compile_seconds=0.0, fallbacks=0,
-            warm_starts=0, fast_calls=0,
+            warm_starts=0, fast_calls=0, decode_loops=0,
         )
 
 
@@ -40,6 +40,7 @@ def compile_stats() -> dict[str, float]:
       (the same weights and caches, new tensors of the same shapes: a decode step) and skipped working
       out placement and executable again (see :mod:`.fast_call`);
     - ``fallbacks``: graphs with an operator graph mode cannot lower, run eagerly op by op instead;
+    - ``decode_loops``: greedy decodes run as one program (see :mod:`.decode_loop`);
     - ``warm_starts``: ATen graphs loaded from the on-disk cache of AOTAutograd's results instead of
       traced (see :mod:`.warm_start`).
     """

@@ -195,6 +195,114 @@ def _install_in_graph_decode_mask(module: Any) -> None:
     module.create_masks_for_generate = create_masks_for_generate
 
 
+# the tensors among a decode step's inputs that the one-program loop knows how to carry from step to step
+_STEP_TENSORS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                           generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict) -> str | None:
+    """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
+    (:mod:`hf_tpu.compile.decode_loop`): greedy, on one chip, from a static cache of full-attention layers that
+    generate made (and does not return), which generate would compile the step for; no logits processors,
+    stopping on length and end-of-sequence tokens only, the sequence only as the result, nothing streamed."""
+    from transformers.cache_utils import StaticCache, StaticLayer
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from ..compile import decode_loop
+
+    cache_key = next((name for name in ("cache", "past_key_values") if name in model_kwargs), None)
+    cache = model_kwargs.get(cache_key)
+    if (
+        input_ids.device.type != "tpu" or generation_config.do_sample or synced_gpus or streamer is not None
+        or generation_config.return_dict_in_generate or model.config.is_encoder_decoder
+        or getattr(generation_config, "is_assistant", False) or len(logits_processor)
+        or type(cache) is not StaticCache or getattr(cache, "_is_user_defined", False)
+        or any(type(layer) is not StaticLayer for layer in cache.layers)
+        or not all(type(criterion) in (MaxLengthCriteria, EosTokenCriteria) for criterion in stopping_criteria)
+        or stopping_criteria.max_length is None
+        or any(layer.max_cache_len < stopping_criteria.max_length for layer in cache.layers)
+        or any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items() if name not in _STEP_TENSORS)
+        or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        or not decode_loop.supports(model)
+    ):
+        return None
+    return cache_key
+
+
+def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
+    """The maximum length, end-of-sequence tokens and pad token of ``stopping_criteria``; ``None`` if they
+    stop on end-of-sequence tokens without a pad token."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    eos = [criterion.eos_token_id.reshape(-1) for criterion in stopping_criteria
+           if isinstance(criterion, EosTokenCriteria)]
+    pad = generation_config._pad_token_tensor if eos else None
+    if eos and pad is None:
+        return None
+    max_length = min(criterion.max_length for criterion in stopping_criteria
+                     if isinstance(criterion, MaxLengthCriteria))
+    return max_length, torch.cat(eos) if eos else None, pad
+
+
+def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
+                           stopping_criteria: Any, generation_config: Any, model_kwargs: dict) -> torch.Tensor:
+    """``_sample``'s greedy decoding: the prefill and first token as transformers does them, then every later
+    step in one program; falls back to transformers' loop (from the start, on a reset cache) if the step
+    cannot be one program."""
+    from ..compile import decode_loop
+
+    limits = _limits(stopping_criteria, generation_config)
+    if limits is None:
+        return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    kwargs = dict(model_kwargs)
+    cache = kwargs[cache_key]
+    outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
+    kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
+    token = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device).argmax(-1)
+    del outputs
+    sequences = torch.cat([input_ids, token[:, None]], dim=-1)
+    unfinished = ~stopping_criteria(sequences, None)
+    step_inputs = model.prepare_inputs_for_generation(sequences, next_sequence_length=1, **kwargs)
+    step_inputs["return_dict"] = True
+    mask = step_inputs.get("attention_mask")
+    try:
+        if (
+            step_inputs.get(cache_key) is not cache
+            or (mask is not None and (mask.ndim != 2 or mask.shape[-1] != cache.layers[0].max_cache_len))
+            or any(isinstance(value, torch.Tensor) for name, value in step_inputs.items() if name not in _STEP_TENSORS)
+            or not isinstance(step_inputs.get("input_ids"), torch.Tensor)
+        ):
+            raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
+        with model._optimize_model_for_decode():
+            tokens = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences.shape[1], limits)
+    except NotImplementedError as error:
+        decode_loop.mark_unsupported(model, str(error))
+        cache.reset()
+        return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+    return torch.cat([sequences, tokens], dim=-1)
+
+
+def _install_decode_in_one_program(mixin: Any) -> None:
+    sample = mixin._sample
+    if getattr(sample, "_hf_tpu", False) or not hasattr(mixin, "_prefill"):
+        return
+
+    @functools.wraps(sample)
+    def sample_in_one_program(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                              generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
+                              **model_kwargs: Any) -> Any:
+        cache_key = _one_program_cache_key(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                           synced_gpus, streamer, model_kwargs)
+        if cache_key is None:
+            return sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                          synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+        return _decode_in_one_program(self, sample, cache_key, input_ids, logits_processor, stopping_criteria,
+                                      generation_config, model_kwargs)
+
+    sample_in_one_program._hf_tpu = True
+    mixin._sample = sample_in_one_program
+
+
 def install(module: Any) -> None:
     """Wraps ``_prepare_cache_for_generation``, ``generate``, ``DeferredStopCheck`` and ``create_masks_for_generate``
     of ``transformers.generation.utils`` and the static cache's ``lazy_initialization``."""
@@ -204,6 +312,7 @@ def install(module: Any) -> None:
     if hasattr(module, "create_masks_for_generate"):
         _install_in_graph_decode_mask(module)
     mixin = module.GenerationMixin
+    _install_decode_in_one_program(mixin)
     prepare = mixin._prepare_cache_for_generation
     generate = mixin.generate
     if getattr(prepare, "_hf_tpu", False):

@@ -1,0 +1,246 @@
+"""Greedy decoding as one XLA program: the decode step inside a ``while`` loop on the chip.
+
+transformers' ``generate`` runs one compiled decode step per token and, around it, a dozen eager ops (argmax,
+padding of finished rows, appending the token, the stopping criteria, the mask) and a read of the stopping
+flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds tokens/s. For
+greedy decoding from a static cache of full-attention layers, with no logits processors and stopping on
+length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program:
+the model's decode step, exported with ``torch.export`` and lowered by graph mode (:func:`hf_tpu.export.lower`),
+in a ``jax.lax.while_loop`` that also picks the token, pads finished rows, stops as transformers' criteria
+would and extends the mask. The host reads one number at the end (how many steps ran).
+
+The tokens are transformers' (the same step, the same rules); the cache ends as transformers' loop leaves it,
+without the extra step its deferred stop check takes and undoes. Programs are kept per model, keyed by the
+step's inputs and what the forward depends on besides them: each module's class, ``forward`` and mode, the
+hooks on it, the attention and experts implementations, autocast and the checks mode.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from .. import export
+from ..backend import checks, dispatch, runtime, storage
+from . import graph_lowering
+from .stats import count
+
+_PROGRAMS_PER_MODEL = 8
+_programs: weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict] = weakref.WeakKeyDictionary()
+_unsupported: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether the model's decode step may be one program: no earlier try has failed, and
+    ``HF_TPU_STEPWISE_DECODE`` does not ask for transformers' loop, step by step."""
+    return model not in _unsupported and not runtime.flag("HF_TPU_STEPWISE_DECODE")
+
+
+def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
+    """Records that the model's decode step cannot be one program, warning once with ``reason``."""
+    _unsupported[model] = reason
+    warnings.warn(f"hf_tpu: greedy decoding of this {type(model).__name__} runs step by step, not as one program "
+                  f"({reason})", stacklevel=2)
+
+
+class _Step(torch.nn.Module):
+    """One decode step of ``model`` on ``cache``, whose layers' tensors come in as inputs (so that export
+    sees their updates as input mutations); returns the next token of each row by argmax."""
+
+    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict) -> None:
+        super().__init__()
+        self.model = model
+        self._cache, self._cache_key, self._constants = cache, cache_key, constants
+
+    def forward(self, keys: list, values: list, lengths: list, **inputs: torch.Tensor) -> torch.Tensor:
+        layers = self._cache.layers
+        saved = [(layer.keys, layer.values, layer.cumulative_length) for layer in layers]
+        try:
+            for layer, state in zip(layers, zip(keys, values, lengths)):
+                layer.keys, layer.values, layer.cumulative_length = state
+            logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
+        finally:
+            for layer, state in zip(layers, saved):
+                layer.keys, layer.values, layer.cumulative_length = state
+        return logits[:, -1].float().argmax(-1)
+
+
+def _layer_tensors(cache: Any) -> list[torch.Tensor]:
+    """The cache's state in the step's input order: every layer's keys, then values, then lengths."""
+    layers = cache.layers
+    return [layer.keys for layer in layers] + [layer.values for layer in layers] + \
+        [layer.cumulative_length for layer in layers]
+
+
+class _Program:
+    """The exported step of one input signature and its decode loop, jitted with and without donating the cache.
+
+    The step's inputs are the cache's tensors, then ``input_ids`` (the token) and, if generate passes them,
+    ``attention_mask`` (2D, the cache's length) and ``position_ids``; each step writes the cache, and the loop
+    sets the next token, marks its column of the mask and adds one to the positions, as generate's
+    ``_update_model_kwargs_for_generation`` does."""
+
+    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict) -> None:
+        layers = cache.layers
+        step = _Step(model, cache, cache_key, constants)
+        arguments = ([layer.keys for layer in layers], [layer.values for layer in layers],
+                     [layer.cumulative_length for layer in layers])
+        lowered = export.lower(torch.export.export(step, arguments, inputs, strict=False))
+        signature = lowered.decomposed.graph_signature
+        names = [node.name for node in export._tensors(lowered.inputs)]
+        self._cache_slots = range(len(arguments) * len(layers))  # the cache's tensors come first
+        self._slots = {name: names.index(name) for name in inputs}
+        self._updates, self._token = [], None
+        for result, spec in enumerate(signature.output_specs):
+            if spec.kind.name == "USER_INPUT_MUTATION" and names.index(spec.target) in self._cache_slots:
+                self._updates.append((result, names.index(spec.target)))
+            elif spec.kind.name == "USER_OUTPUT" and self._token is None:
+                self._token = result
+            else:
+                raise NotImplementedError(f"the decode step has an output of kind {spec.kind.name} ({spec.target})")
+        kinds = {spec.target: spec.kind.name for spec in signature.input_specs}
+        # weights are read from the model at each call (they may be updated in place between calls)
+        self._weights = [(target.removeprefix("model."), kinds[target]) if kinds[target] != "CONSTANT_TENSOR"
+                         else (lowered.decomposed.constants[target], kinds[target]) for target in lowered.weights]
+        self._program_inputs, self._function = lowered.program_inputs, lowered.function
+        self._capacity = layers[0].max_cache_len
+        self._loops = {donate: jax.jit(self._loop, static_argnums=(5,), donate_argnums=(1,) if donate else ())
+                       for donate in (False, True)}
+
+    def weights(self, model: torch.nn.Module, device_index: int) -> list:
+        """The program's weights: the model's parameters and buffers now, and the constants export lifted (on
+        the CPU if the forward made them there)."""
+        arrays = []
+        for source, kind in self._weights:
+            if kind == "PARAMETER":
+                source = model.get_parameter(source)
+            elif kind == "BUFFER":
+                source = model.get_buffer(source)
+            arrays.append(graph_lowering._read(source, device_index))
+        return arrays
+
+    def _loop(self, weights: list, cache: tuple, inputs: dict, unfinished: Any, limits: tuple,
+              pad_finished: bool) -> tuple:
+        """Steps until no row is unfinished: ``inputs`` are the first step's, ``limits`` the length so far,
+        the maximum length, the end-of-sequence tokens and the pad token. Returns the number of steps, the
+        tokens (``(batch, capacity)``, the first ``steps`` columns written), the cache's new state and the check."""
+        length, max_length, eos, pad = limits
+        slots = self._slots
+
+        def step(carry: tuple) -> tuple:
+            count, state, unfinished, length, tokens, check = carry
+            state = list(state)
+            sources = {"weight": weights, "input": state}
+            outputs, _, step_check = self._function(*(sources[kind][index] for kind, index in self._program_inputs))
+            for result, slot in self._updates:
+                state[slot] = outputs[result]
+            token = outputs[self._token].astype(tokens.dtype)
+            if pad_finished:
+                token = jnp.where(unfinished, token, pad)
+            tokens = tokens.at[:, count].set(token)
+            length = length + 1
+            unfinished = unfinished & ~jnp.isin(token, eos) & (length < max_length)
+            state[slots["input_ids"]] = token[:, None]
+            if "attention_mask" in slots:
+                state[slots["attention_mask"]] = state[slots["attention_mask"]].at[:, length - 1].set(1, mode="drop")
+            if "position_ids" in slots:
+                state[slots["position_ids"]] = state[slots["position_ids"]] + 1
+            if step_check is not None:
+                check = jnp.where(check[0] != 0, check, step_check)
+            return count + 1, tuple(state), unfinished, length, tokens, check
+
+        def going(carry: tuple) -> Any:
+            return jnp.any(carry[2]) & (carry[0] < self._capacity)
+
+        state = [None] * (len(self._cache_slots) + len(slots))
+        state[:len(cache)] = cache
+        for name, slot in slots.items():
+            state[slot] = inputs[name]
+        ids = inputs["input_ids"]
+        start = (jnp.zeros((), jnp.int64), tuple(state), unfinished, length,
+                 jnp.zeros((ids.shape[0], self._capacity), ids.dtype), jnp.zeros(2, jnp.int64))
+        count, state, _, _, tokens, check = jax.lax.while_loop(going, step, start)
+        return count, tokens, state[:len(cache)], check
+
+    def run(self, model: torch.nn.Module, cache: Any, inputs: dict, unfinished: torch.Tensor,
+            limits: tuple[int, int, torch.Tensor | None, torch.Tensor | None]) -> Any:
+        """Decodes from the first step's ``inputs``; writes the cache's new state; returns the tokens after the
+        first step's ``(batch, steps)``, on tpu."""
+        input_ids = inputs["input_ids"]
+        device_index = storage.buffer_of(input_ids).device_index
+        length, max_length, eos, pad = limits
+        tensors = _layer_tensors(cache)
+        arrays = [storage.read(tensor) for tensor in tensors]
+        donate = all(graph_lowering.donatable(tensor, arrays[i], arrays) for i, tensor in enumerate(tensors))
+        eos_array = storage.read(eos.reshape(-1)) if eos is not None else jnp.zeros(0, jnp.int64)
+        pad_array = storage.read(pad) if pad is not None else jnp.zeros((), jnp.int64)
+        steps, tokens, written, check = self._loops[donate](
+            self.weights(model, device_index), tuple(arrays), {name: storage.read(value) for name, value in inputs.items()},
+            storage.read(unfinished) != 0,
+            (jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64), eos_array, pad_array),
+            pad is not None)
+        del arrays
+        for tensor, value in zip(tensors, written):
+            storage.write(tensor, value)
+        if checks.mode() != "off":
+            dispatch.defer_check(check, device_index)
+        count("decode_loops")
+        return storage.wrap(tokens, input_ids.dtype, device_index)[:, :int(steps)]
+
+
+def _forward_fingerprint(model: torch.nn.Module) -> tuple:
+    """What a traced forward depends on besides its inputs' signature: every module's class, own ``forward``
+    (``kernelize`` and accelerate's hooks replace it), mode and hooks, the attention and experts
+    implementations, autocast and the checks mode."""
+    hooks = torch.nn.modules.module
+    parts: list = [getattr(model.config, "_attn_implementation", None),
+                   repr(getattr(model.config, "_experts_implementation", None)),
+                   torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"), checks.mode(),
+                   tuple(hooks._global_forward_hooks.values()), tuple(hooks._global_forward_pre_hooks.values())]
+    for module in model.modules():
+        parts.append((type(module), module.__dict__.get("forward"), module.training,
+                      tuple(module._forward_hooks.values()), tuple(module._forward_pre_hooks.values())))
+    return tuple(parts)
+
+
+def _signature(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape), tensor.dtype, tensor.device
+
+
+def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
+           length: int, limits: tuple[int, torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
+    """The tokens greedy decoding appends after ``length`` tokens (the last not yet in ``cache``), stopping
+    where transformers' loop would: ``step_inputs`` are the first decode step's model inputs
+    (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's length, maybe the
+    positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still going, ``limits`` the maximum length, the
+    end-of-sequence tokens and the pad token (``None`` and ``None`` without an end-of-sequence criterion).
+
+    Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
+    and records it with :func:`mark_unsupported`).
+    """
+    tensors = {name: value for name, value in step_inputs.items() if isinstance(value, torch.Tensor)}
+    constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
+    try:
+        key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
+               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), _forward_fingerprint(model))
+        hash(key)
+    except TypeError as error:  # an unhashable constant or hook
+        raise NotImplementedError(f"the decode step's inputs cannot key a program ({error})") from error
+    programs = _programs.setdefault(model, collections.OrderedDict())
+    program = programs.get(key)
+    if program is None:
+        try:
+            program = _Program(model, cache, cache_key, constants, tensors)
+        except Exception as error:  # export or lowering failed: the caller decodes step by step
+            raise NotImplementedError(f"{type(error).__name__}: {error}") from error
+        programs[key] = program
+        if len(programs) > _PROGRAMS_PER_MODEL:
+            programs.popitem(last=False)
+    programs.move_to_end(key)
+    return program.run(model, cache, tensors, unfinished, (length, *limits))

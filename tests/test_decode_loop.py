@@ -1,0 +1,155 @@
+"""Greedy generate() from a static cache on tpu decodes as one program (hf_tpu/compile/decode_loop.py): the
+tokens and the cache are CPU's and transformers' loop's, rows stop at their own end-of-sequence token, and what
+the program cannot serve goes to transformers' loop."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from conftest import tiny_llama, to_tpu
+from hf_tpu import export
+from hf_tpu.compile import compile_stats, decode_loop
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+NEW_TOKENS = 10
+
+
+@pytest.fixture
+def models():
+    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
+    cpu_model.generation_config.pad_token_id = 0
+    return cpu_model, copy.deepcopy(cpu_model).to("tpu")
+
+
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts, the second left-padded by three tokens."""
+    prompt = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = 0, 0
+    return prompt, mask
+
+
+def _generate(model, prompt, mask=None, **options):
+    inputs = {} if mask is None else {"attention_mask": mask.to(prompt.device)}
+    options = dict(dict(max_new_tokens=NEW_TOKENS, do_sample=False), **options)
+    if prompt.device.type == "tpu":
+        options.setdefault("cache_implementation", "static")
+    return model.generate(prompt, **inputs, **options)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "left_padded"])
+def test_greedy_tokens_are_cpus_and_the_program_is_reused(models, padded):
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch() if padded else (_padded_batch()[0][:1], None)
+    expected = _generate(cpu_model, prompt, mask)
+    for _ in range(2):
+        assert _generate(tpu_model, to_tpu(prompt), mask).cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == 2
+    assert len(decode_loop._programs[tpu_model]) == 1
+
+
+def test_rows_stop_at_their_own_end_of_sequence_token(models):
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    free = _generate(cpu_model, prompt, mask)[:, prompt.shape[1]:]
+    eos = int(free[0, 3])  # the first row stops after 4 tokens at most, the others when they meet it, or at the end
+    expected = _generate(cpu_model, prompt, mask, eos_token_id=eos)
+    result = _generate(tpu_model, to_tpu(prompt), mask, eos_token_id=eos)
+    assert result.cpu().tolist() == expected.tolist()
+    assert (expected[0, prompt.shape[1]:] == 0).any()  # a finished row is padded while others go on
+    assert compile_stats()["decode_loops"] == 1
+
+
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_the_shortest_generations(models, new_tokens):
+    """One new token comes from the prefill alone: the loop runs no step."""
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0]
+    expected = _generate(cpu_model, prompt, max_new_tokens=new_tokens)
+    assert _generate(tpu_model, to_tpu(prompt), max_new_tokens=new_tokens).cpu().tolist() == expected.tolist()
+
+
+def test_the_cache_ends_as_transformers_loop_leaves_it(models, monkeypatch):
+    _, tpu_model = models
+    prompt = _padded_batch()[0][:1]
+    caches = []
+    decode = decode_loop.decode
+    monkeypatch.setattr(decode_loop, "decode", lambda model, cache, *args: (caches.append(cache),
+                                                                          decode(model, cache, *args))[1])
+    _generate(tpu_model, to_tpu(prompt))
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
+    stepwise = _generate(tpu_model, to_tpu(prompt), return_dict_in_generate=True).past_key_values
+    (cache,) = caches
+    length = int(stepwise.get_seq_length())
+    assert int(cache.get_seq_length()) == length == prompt.shape[1] + NEW_TOKENS - 1  # the last token is not in it
+    for ours, theirs in zip(cache.layers, stepwise.layers):
+        torch.testing.assert_close(ours.keys[:, :, :length].cpu(), theirs.keys[:, :, :length].cpu())
+        torch.testing.assert_close(ours.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
+
+
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(do_sample=True, top_k=1),
+                                     dict(return_dict_in_generate=True)],
+                         ids=["logits_processor", "sampling", "return_dict"])
+def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0]
+    expected = _generate(cpu_model, prompt, **options)
+    result = _generate(tpu_model, to_tpu(prompt), **options)
+    sequences = result.sequences if "return_dict_in_generate" in options else result
+    expected = expected.sequences if "return_dict_in_generate" in options else expected
+    assert sequences.cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == 0
+
+
+def test_a_step_that_cannot_be_one_program_warns_once_and_decodes_step_by_step(models, monkeypatch):
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0]
+    tries = []
+
+    def lower(exported):
+        tries.append(1)
+        raise NotImplementedError("aten::made_up has no lowering")
+
+    monkeypatch.setattr(export, "lower", lower)
+    expected = _generate(cpu_model, prompt)
+    with pytest.warns(UserWarning, match="runs step by step.*made_up"):
+        assert _generate(tpu_model, to_tpu(prompt)).cpu().tolist() == expected.tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert _generate(tpu_model, to_tpu(prompt)).cpu().tolist() == expected.tolist()
+    assert len(tries) == 1 and compile_stats()["decode_loops"] == 0
+
+
+def test_a_hook_added_after_the_first_generate_gets_a_new_program(models):
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0]
+    _generate(tpu_model, to_tpu(prompt))
+
+    def favour_token_5(module, inputs, output):
+        return output + torch.nn.functional.one_hot(torch.tensor(5), 128).to(output) * 10 * output.abs().max()
+
+    for model in (cpu_model, tpu_model):
+        model.lm_head.register_forward_hook(favour_token_5)
+    expected = _generate(cpu_model, prompt)
+    assert (expected[:, prompt.shape[1]:] == 5).all()
+    assert _generate(tpu_model, to_tpu(prompt)).cpu().tolist() == expected.tolist()
+    assert len(decode_loop._programs[tpu_model]) == 2
+
+
+def test_fused_eager_mode_gives_the_same_tokens(models):
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    expected = _generate(cpu_model, prompt, mask)
+    previous = torch.tpu.get_eager_mode()
+    torch.tpu.set_eager_mode("fused")
+    try:
+        result = _generate(tpu_model, to_tpu(prompt), mask)
+    finally:
+        torch.tpu.set_eager_mode(previous)
+    assert result.cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == 1
