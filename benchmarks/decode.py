@@ -284,7 +284,8 @@ def main() -> None:
     run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
     alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),
-                  "tpu fused": in_eager_mode("fused", run_tpu), "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu))}
+                  "tpu fused": in_eager_mode("fused", run_tpu),
+                  "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu))}
     results.update(timed_together(alternated, args.repeats))
     host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
 

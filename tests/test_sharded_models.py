@@ -1,5 +1,6 @@
 """transformers models with weights sharded over 2 and 4 chips (one process, SPMD) against the same model on one
-chip: logits, greedy generate (dynamic and compiled static cache), pipelines, Trainer steps and data parallel.
+chip: logits, greedy generate (dynamic and compiled static cache, decoded step by step and as one program),
+pipelines, Trainer steps and data parallel.
 
 The weights are sharded here by a small Megatron-style helper (:func:`_shard`); how a model is split does not
 change its results, only where its work runs. The cases run once, together, in a subprocess with
@@ -144,6 +145,17 @@ def case_llama_static_cache_generate_is_compiled_once_and_sharded():
             # and never held more: the cache is made on its shards (not zeros on tpu:0, then split)
             assert peaks[0] - peaks[1] < whole / len(layers) / 4, (peaks, whole)
         del result
+
+
+def case_llama_static_cache_greedy_decode_runs_as_one_program_on_the_mesh():
+    reference = _llama()
+    static = dict(GREEDY, cache_implementation="static")
+    for tp in TP_SIZES:
+        one_chip, sharded = _on_one_chip_and_sharded(reference, _tp_mesh(tp))
+        expected = _greedy_tokens(one_chip, **static)
+        reset_compile_stats()
+        assert _greedy_tokens(sharded, **static) == expected
+        assert compile_stats()["decode_loops"] == 1 and compile_stats()["fallbacks"] == 0
 
 
 def case_text_generation_pipeline():

@@ -37,9 +37,12 @@ _unsupported: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyD
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether the model's decode step may be one program: no earlier try has failed, and
-    ``HF_TPU_STEPWISE_DECODE`` does not ask for transformers' loop, step by step."""
-    return model not in _unsupported and not runtime.flag("HF_TPU_STEPWISE_DECODE")
+    """Whether the model's decode step may be one program: its weights are tpu tensors (on one chip or sharded
+    over a mesh: not tensor subclasses such as the DTensors of tensor parallelism under torchrun, whose
+    steps hold collectives), no earlier try has failed, and ``HF_TPU_STEPWISE_DECODE`` does not ask for
+    transformers' loop, step by step."""
+    return (model not in _unsupported and not runtime.flag("HF_TPU_STEPWISE_DECODE")
+            and all(type(parameter.data) is torch.Tensor for parameter in model.parameters()))
 
 
 def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
@@ -91,7 +94,9 @@ class _Program:
         step = _Step(model, cache, cache_key, constants)
         arguments = ([layer.keys for layer in layers], [layer.values for layer in layers],
                      [layer.cumulative_length for layer in layers])
-        lowered = export.lower(torch.export.export(step, arguments, inputs, strict=False))
+        with warnings.catch_warnings():  # torch's own pytree use, not the caller's to act on
+            warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)` is deprecated", FutureWarning)
+            lowered = export.lower(torch.export.export(step, arguments, inputs, strict=False))
         signature = lowered.decomposed.graph_signature
         names = [node.name for node in export._tensors(lowered.inputs)]
         self._cache_slots = range(len(arguments) * len(layers))  # the cache's tensors come first
@@ -110,27 +115,22 @@ class _Program:
                          else (lowered.decomposed.constants[target], kinds[target]) for target in lowered.weights]
         self._program_inputs, self._function = lowered.program_inputs, lowered.function
         self._capacity = layers[0].max_cache_len
-        self._loops = {donate: jax.jit(self._loop, static_argnums=(5,), donate_argnums=(1,) if donate else ())
+        self._loops = {donate: jax.jit(self._loop, static_argnums=(4,), donate_argnums=(1,) if donate else ())
                        for donate in (False, True)}
 
-    def weights(self, model: torch.nn.Module, device_index: int) -> list:
+    def weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The program's weights: the model's parameters and buffers now, and the constants export lifted (on
         the CPU if the forward made them there)."""
-        arrays = []
-        for source, kind in self._weights:
-            if kind == "PARAMETER":
-                source = model.get_parameter(source)
-            elif kind == "BUFFER":
-                source = model.get_buffer(source)
-            arrays.append(graph_lowering._read(source, device_index))
-        return arrays
+        return [model.get_parameter(source) if kind == "PARAMETER" else model.get_buffer(source) if kind == "BUFFER"
+                else source for source, kind in self._weights]
 
-    def _loop(self, weights: list, cache: tuple, inputs: dict, unfinished: Any, limits: tuple,
-              pad_finished: bool) -> tuple:
-        """Steps until no row is unfinished: ``inputs`` are the first step's, ``limits`` the length so far,
-        the maximum length, the end-of-sequence tokens and the pad token. Returns the number of steps, the
-        tokens (``(batch, capacity)``, the first ``steps`` columns written), the cache's new state and the check."""
-        length, max_length, eos, pad = limits
+    def _loop(self, weights: list, cache: tuple, inputs: dict, limits: tuple, pad_finished: bool) -> tuple:
+        """Steps until no row is unfinished: ``inputs`` are the first step's, ``limits`` the rows unfinished,
+        the end-of-sequence tokens, the pad token, the length so far and the maximum length. Returns the number
+        of steps, the tokens (``(batch, capacity)``, the first ``steps`` columns written), the cache's new
+        state and the check."""
+        unfinished, eos, pad, length, max_length = limits
+        unfinished = unfinished != 0
         slots = self._slots
 
         def step(carry: tuple) -> tuple:
@@ -171,26 +171,33 @@ class _Program:
     def run(self, model: torch.nn.Module, cache: Any, inputs: dict, unfinished: torch.Tensor,
             limits: tuple[int, int, torch.Tensor | None, torch.Tensor | None]) -> Any:
         """Decodes from the first step's ``inputs``; writes the cache's new state; returns the tokens after the
-        first step's ``(batch, steps)``, on tpu."""
+        first step's ``(batch, steps)``, on tpu. A model with weights sharded over a mesh runs on the mesh."""
         input_ids = inputs["input_ids"]
-        device_index = storage.buffer_of(input_ids).device_index
         length, max_length, eos, pad = limits
-        tensors = _layer_tensors(cache)
-        arrays = [storage.read(tensor) for tensor in tensors]
-        donate = all(graph_lowering.donatable(tensor, arrays[i], arrays) for i, tensor in enumerate(tensors))
-        eos_array = storage.read(eos.reshape(-1)) if eos is not None else jnp.zeros(0, jnp.int64)
-        pad_array = storage.read(pad) if pad is not None else jnp.zeros((), jnp.int64)
+        pad_finished = pad is not None
+        eos = input_ids.new_zeros(0) if eos is None else eos.reshape(-1)
+        pad = input_ids.new_zeros(()) if pad is None else pad
+        weights, cache_tensors = self.weights(model), _layer_tensors(cache)
+        tensors = [*weights, *cache_tensors, *inputs.values(), unfinished, eos, pad]
+        device_index = storage.buffer_of(input_ids).device_index
+        arrays = [graph_lowering._read(tensor, device_index) for tensor in tensors]
+        placed = dispatch.on_one_mesh(arrays, [storage.buffer_of(tensor).device_index if tensor.device.type == "tpu"
+                                               else device_index for tensor in tensors])
+        if placed is not None:
+            arrays, device_index = placed
+        first, last = len(weights), len(weights) + len(cache_tensors)
+        donate = all(graph_lowering.donatable(tensor, arrays[first + i], arrays)
+                     for i, tensor in enumerate(cache_tensors))
         steps, tokens, written, check = self._loops[donate](
-            self.weights(model, device_index), tuple(arrays), {name: storage.read(value) for name, value in inputs.items()},
-            storage.read(unfinished) != 0,
-            (jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64), eos_array, pad_array),
-            pad is not None)
+            arrays[:first], tuple(arrays[first:last]), dict(zip(inputs, arrays[last:-3])),
+            (*arrays[-3:], jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)), pad_finished)
         del arrays
-        for tensor, value in zip(tensors, written):
+        for tensor, value in zip(cache_tensors, written):
             storage.write(tensor, value)
         if checks.mode() != "off":
             dispatch.defer_check(check, device_index)
         count("decode_loops")
+        tokens = jax.device_put(tokens, runtime.device(device_index)) if storage.is_spread(tokens) else tokens
         return storage.wrap(tokens, input_ids.dtype, device_index)[:, :int(steps)]
 
 
@@ -218,8 +225,9 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     """The tokens greedy decoding appends after ``length`` tokens (the last not yet in ``cache``), stopping
     where transformers' loop would: ``step_inputs`` are the first decode step's model inputs
     (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's length, maybe the
-    positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still going, ``limits`` the maximum length, the
-    end-of-sequence tokens and the pad token (``None`` and ``None`` without an end-of-sequence criterion).
+    positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still going, ``limits``
+    the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None`` without an
+    end-of-sequence criterion).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
     and records it with :func:`mark_unsupported`).
