@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import zipfile
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import jax
 import safetensors.torch
@@ -62,8 +62,14 @@ def save(exported: ExportedProgram, path: str | os.PathLike, *, platforms: Seque
     ``platforms`` are the JAX platforms the package is for (``"tpu"``, ``"cpu"``, ``"cuda"``), by default the
     one behind the tpu device now; a CPU host can write a package for TPU chips with ``platforms=["tpu"]``.
     """
+    from .compile import graph_lowering  # save only: loading needs neither graph mode nor torch.export
+
+    _check_static(exported)
+    decomposed = exported.run_decompositions(_decomposition_table())
     try:
-        decomposed, graph, weights, inputs, program_inputs, pure = lower(exported)
+        graph = graph_lowering.lower(decomposed.graph_module)
+        weights, inputs, program_inputs, static_values = _classify_inputs(decomposed)
+        pure = graph.pure_function(tuple(static_values))
     except NotImplementedError as error:
         raise NotImplementedError(f"hf_tpu.export.save: {error}") from error
 
@@ -91,36 +97,6 @@ def save(exported: ExportedProgram, path: str | os.PathLike, *, platforms: Seque
         package.writestr(_MANIFEST, json.dumps(manifest, indent=1), zipfile.ZIP_DEFLATED)
         package.writestr(_PROGRAM, bytes(jax_program.serialize()), zipfile.ZIP_DEFLATED)
         package.writestr(_WEIGHTS, safetensors.torch.save(tensors))
-
-
-class LoweredProgram(NamedTuple):
-    """An exported program lowered by graph mode: ``function`` is one JAX function of the program's tensor
-    placeholders (``program_inputs`` says where each comes from: ``("weight", i)`` is the i-th of ``weights``,
-    ``("input", j)`` the j-th tensor of ``inputs``), returning (the program's tensor outputs, in its output
-    order: updates of buffers and inputs first, then the caller's outputs; ``()``; combined check or ``None``)."""
-
-    decomposed: ExportedProgram
-    graph: CompiledGraph
-    weights: dict[str, Any]  # state-dict key (or constant name) -> placeholder
-    inputs: list  # the user-input placeholders, non-tensor ones too
-    program_inputs: list[tuple[str, int]]
-    function: Callable[..., tuple]
-
-
-def lower(exported: ExportedProgram) -> LoweredProgram:
-    """Decomposes ``exported`` with graph mode's decompositions and lowers its graph with graph mode's lowering.
-
-    Raises ``ValueError`` for a program with symbolic sizes and ``NotImplementedError`` for what graph mode
-    cannot lower (an op without a lowering, random ops, inputs of another kind than weights and user inputs).
-    """
-    from .compile import graph_lowering  # lowering only: loading needs neither graph mode nor torch.export
-
-    _check_static(exported)
-    decomposed = exported.run_decompositions(_decomposition_table())
-    graph = graph_lowering.lower(decomposed.graph_module)
-    weights, inputs, program_inputs, static_values = _classify_inputs(decomposed)
-    return LoweredProgram(decomposed, graph, weights, inputs, program_inputs,
-                          graph.pure_function(tuple(static_values)))
 
 
 def load(path: str | os.PathLike, device: torch.device | str = "tpu") -> LoadedProgram:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama, to_tpu
-from hf_tpu import export
 from hf_tpu.compile import compile_stats, decode_loop
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -111,11 +110,11 @@ def test_a_step_that_cannot_be_one_program_warns_once_and_decodes_step_by_step(m
     prompt = _padded_batch()[0]
     tries = []
 
-    def lower(exported):
+    def trace(step, *arguments):
         tries.append(1)
         raise NotImplementedError("aten::made_up has no lowering")
 
-    monkeypatch.setattr(export, "lower", lower)
+    monkeypatch.setattr(decode_loop._Step, "forward", trace)
     expected = _generate(cpu_model, prompt)
     with pytest.warns(UserWarning, match="runs step by step.*made_up"):
         assert _generate(tpu_model, to_tpu(prompt)).cpu().tolist() == expected.tolist()

@@ -5,8 +5,8 @@ padding of finished rows, appending the token, the stopping criteria, the mask) 
 flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds tokens/s. For
 greedy decoding from a static cache of full-attention layers, with no logits processors and stopping on
 length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program:
-the model's decode step, exported with ``torch.export`` and lowered by graph mode (:func:`hf_tpu.export.lower`),
-in a ``jax.lax.while_loop`` that also picks the token, pads finished rows, stops as transformers' criteria
+the model's decode step, traced as AOTAutograd traces graph mode's graphs and lowered by graph mode, in a
+``jax.lax.while_loop`` that also picks the token, pads finished rows, stops as transformers' criteria
 would and extends the mask. The host reads one number at the end (how many steps ran).
 
 The tokens are transformers' (the same step, the same rules); the cache ends as transformers' loop leaves it,
@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import export
 from ..backend import checks, dispatch, runtime, storage
 from . import graph_lowering
 from .stats import count
@@ -53,76 +52,94 @@ def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
 
 
 class _Step(torch.nn.Module):
-    """One decode step of ``model`` on ``cache``, whose layers' tensors come in as inputs (so that export
-    sees their updates as input mutations); returns the next token of each row by argmax."""
+    """One decode step of ``model`` on ``cache``: takes the cache layers' keys, values and lengths, then the
+    step's other inputs (``input_names``), all positionally, so that tracing sees the cache's updates as input
+    mutations; returns the next token of each row by argmax."""
 
-    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict) -> None:
+    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
+                 input_names: list[str]) -> None:
         super().__init__()
         self.model = model
-        self._cache, self._cache_key, self._constants = cache, cache_key, constants
+        self._cache, self._cache_key, self._constants, self._input_names = cache, cache_key, constants, input_names
 
-    def forward(self, keys: list, values: list, lengths: list, **inputs: torch.Tensor) -> torch.Tensor:
-        layers = self._cache.layers
-        saved = [(layer.keys, layer.values, layer.cumulative_length) for layer in layers]
+    def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor]:
+        layers = len(self._cache.layers)
+        saved = _layer_state(self._cache)
         try:
-            for layer, state in zip(layers, zip(keys, values, lengths)):
-                layer.keys, layer.values, layer.cumulative_length = state
+            _set_layer_state(self._cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
+            inputs = dict(zip(self._input_names, arguments[3 * layers:]))
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
-            for layer, state in zip(layers, saved):
-                layer.keys, layer.values, layer.cumulative_length = state
-        return logits[:, -1].float().argmax(-1)
+            _set_layer_state(self._cache, *saved)
+        return (logits[:, -1].float().argmax(-1),)
+
+
+def _layer_state(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The cache's state: every layer's keys, values and lengths."""
+    layers = cache.layers
+    return [layer.keys for layer in layers], [layer.values for layer in layers], \
+        [layer.cumulative_length for layer in layers]
+
+
+def _set_layer_state(cache: Any, keys: list, values: list, lengths: list) -> None:
+    for layer, state in zip(cache.layers, zip(keys, values, lengths)):
+        layer.keys, layer.values, layer.cumulative_length = state
 
 
 def _layer_tensors(cache: Any) -> list[torch.Tensor]:
     """The cache's state in the step's input order: every layer's keys, then values, then lengths."""
-    layers = cache.layers
-    return [layer.keys for layer in layers] + [layer.values for layer in layers] + \
-        [layer.cumulative_length for layer in layers]
+    return [tensor for tensors in _layer_state(cache) for tensor in tensors]
 
 
 class _Program:
-    """The exported step of one input signature and its decode loop, jitted with and without donating the cache.
+    """The traced step of one input signature and its decode loop, jitted with and without donating the cache.
 
-    The step's inputs are the cache's tensors, then ``input_ids`` (the token) and, if generate passes them,
+    The step is traced as AOTAutograd traces graph mode's graphs (functionalized, below autograd, with graph
+    mode's decompositions; ``aot_export_module``) and lowered by graph mode. Its inputs are the model's
+    parameters and buffers, then the cache's tensors, ``input_ids`` (the token) and, if generate passes them,
     ``attention_mask`` (2D, the cache's length) and ``position_ids``; each step writes the cache, and the loop
     sets the next token, marks its column of the mask and adds one to the positions, as generate's
     ``_update_model_kwargs_for_generation`` does."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict) -> None:
-        layers = cache.layers
-        step = _Step(model, cache, cache_key, constants)
-        arguments = ([layer.keys for layer in layers], [layer.values for layer in layers],
-                     [layer.cumulative_length for layer in layers])
-        with warnings.catch_warnings():  # torch's own pytree use, not the caller's to act on
-            warnings.filterwarnings("ignore", "`isinstance\\(treespec, LeafSpec\\)` is deprecated", FutureWarning)
-            lowered = export.lower(torch.export.export(step, arguments, inputs, strict=False))
-        signature = lowered.decomposed.graph_signature
-        names = [node.name for node in export._tensors(lowered.inputs)]
-        self._cache_slots = range(len(arguments) * len(layers))  # the cache's tensors come first
-        self._slots = {name: names.index(name) for name in inputs}
-        self._updates, self._token = [], None
-        for result, spec in enumerate(signature.output_specs):
-            if spec.kind.name == "USER_INPUT_MUTATION" and names.index(spec.target) in self._cache_slots:
-                self._updates.append((result, names.index(spec.target)))
-            elif spec.kind.name == "USER_OUTPUT" and self._token is None:
-                self._token = result
-            else:
-                raise NotImplementedError(f"the decode step has an output of kind {spec.kind.name} ({spec.target})")
-        kinds = {spec.target: spec.kind.name for spec in signature.input_specs}
-        # weights are read from the model at each call (they may be updated in place between calls)
-        self._weights = [(target.removeprefix("model."), kinds[target]) if kinds[target] != "CONSTANT_TENSOR"
-                         else (lowered.decomposed.constants[target], kinds[target]) for target in lowered.weights]
-        self._program_inputs, self._function = lowered.program_inputs, lowered.function
-        self._capacity = layers[0].max_cache_len
+        from torch._functorch.aot_autograd import aot_export_module
+
+        from .backend import decompositions
+
+        step = _Step(model, cache, cache_key, constants, list(inputs))
+        state = [*_layer_tensors(cache), *inputs.values()]
+        with torch.no_grad():
+            graph_module, signature = aot_export_module(step, state, trace_joint=False,
+                                                        decompositions=decompositions())
+        if signature.buffers_to_mutate:
+            raise NotImplementedError(f"the decode step updates buffers ({', '.join(signature.buffers_to_mutate)})")
+        graph = graph_lowering.lower(graph_module)
+        placeholders = [node.name for node in graph_module.graph.nodes if node.op == "placeholder"]
+        weights = placeholders[:len(placeholders) - len(state)]
+        self._weights = [(signature.inputs_to_parameters[name], "PARAMETER") if name in signature.inputs_to_parameters
+                         else (signature.inputs_to_buffers[name], "BUFFER") for name in weights]
+        self._constants = graph.constants
+        user_inputs = list(signature.user_inputs)
+        self._cache_slots = range(len(state) - len(inputs))  # the cache's tensors come first
+        self._slots = {name: len(self._cache_slots) + index for index, name in enumerate(inputs)}
+        results = [node.name for node in graph_module.graph.find_nodes(op="output")[0].args[0]]
+        self._updates = [(results.index(output), user_inputs.index(target))
+                         for output, target in signature.user_inputs_to_mutate.items()]
+        if any(slot not in self._cache_slots for _, slot in self._updates) or len(signature.user_outputs) != 1:
+            raise NotImplementedError("the decode step updates inputs other than the cache")
+        self._token = results.index(signature.user_outputs[0])
+        self._function = graph.pure_function(fold_constants=False)
+        self._capacity = cache.layers[0].max_cache_len
         self._loops = {donate: jax.jit(self._loop, static_argnums=(4,), donate_argnums=(1,) if donate else ())
                        for donate in (False, True)}
 
     def weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
-        """The program's weights: the model's parameters and buffers now, and the constants export lifted (on
-        the CPU if the forward made them there)."""
-        return [model.get_parameter(source) if kind == "PARAMETER" else model.get_buffer(source) if kind == "BUFFER"
-                else source for source, kind in self._weights]
+        """The program's weights: the model's parameters and buffers now (they may have been updated in place
+        or replaced since the trace), then the constants the trace made (on the CPU if the forward made them
+        there)."""
+        return [*(model.get_parameter(target.removeprefix("model.")) if kind == "PARAMETER"
+                  else model.get_buffer(target.removeprefix("model.")) for target, kind in self._weights),
+                *self._constants]
 
     def _loop(self, weights: list, cache: tuple, inputs: dict, limits: tuple, pad_finished: bool) -> tuple:
         """Steps until no row is unfinished: ``inputs`` are the first step's, ``limits`` the rows unfinished,
@@ -136,8 +153,8 @@ class _Program:
         def step(carry: tuple) -> tuple:
             count, state, unfinished, length, tokens, check = carry
             state = list(state)
-            sources = {"weight": weights, "input": state}
-            outputs, _, step_check = self._function(*(sources[kind][index] for kind, index in self._program_inputs))
+            outputs, _, step_check = self._function(*weights[:len(self._weights)], *state,
+                                                    *weights[len(self._weights):])
             for result, slot in self._updates:
                 state[slot] = outputs[result]
             token = outputs[self._token].astype(tokens.dtype)
@@ -245,7 +262,7 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     if program is None:
         try:
             program = _Program(model, cache, cache_key, constants, tensors)
-        except Exception as error:  # export or lowering failed: the caller decodes step by step
+        except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
         programs[key] = program
         if len(programs) > _PROGRAMS_PER_MODEL:

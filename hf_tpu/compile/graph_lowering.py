@@ -277,10 +277,16 @@ class CompiledGraph:
         returns it when it is dense but not contiguous, else ``None``."""
         return self._layouts
 
-    def pure_function(self, static_values: tuple = ()) -> Callable[..., tuple]:
-        """For ahead-of-time export (:mod:`hf_tpu.export`): the graph as a JAX function of its tensor inputs,
-        given its non-tensor inputs, returning (tensor outputs as :attr:`output_layouts` says, new values of
-        mutated inputs, combined check or ``None``); the graph's constants are folded in.
+    @property
+    def constants(self) -> list[torch.Tensor]:
+        """The tensors the graph holds (its ``get_attr`` nodes' values)."""
+        return self._constants
+
+    def pure_function(self, static_values: tuple = (), fold_constants: bool = True) -> Callable[..., tuple]:
+        """For programs built around the graph (:mod:`hf_tpu.export`, :mod:`.decode_loop`): the graph as a JAX
+        function of its tensor inputs, given its non-tensor inputs, returning (tensor outputs as
+        :attr:`output_layouts` says, new values of mutated inputs, combined check or ``None``). The graph's
+        :attr:`constants` are folded in, or with ``fold_constants=False`` taken as arrays after the inputs.
 
         Raises ``NotImplementedError`` if the graph has random ops: they draw from the device's random
         stream at each run, which a program saved ahead of time cannot do.
@@ -291,6 +297,8 @@ class CompiledGraph:
                 f"random operators ({names}) cannot be part of a program saved ahead of time: they draw from the "
                 "device's random stream at each run; export the model in eval mode (model.eval()) so that dropout "
                 "is off")
+        if not fold_constants:
+            return functools.partial(self._trace, static_values, None)
         constants = [_read(constant, 0) for constant in self._constants]
         return lambda *arrays: self._trace(static_values, None, *arrays, *constants)
 
