@@ -131,8 +131,10 @@ def test_tiny_llama_forward_matches_cpu():
     assert compile_stats()["graphs"] == compile_stats()["calls"] == 1
 
 
-def test_generate_with_a_static_cache_compiles_decoding_into_one_graph():
-    """transformers compiles the decode step with backend="tpu"; the cache's index_copy_ writes persist."""
+def test_generate_with_a_static_cache_compiles_decoding_into_one_graph(monkeypatch):
+    """In transformers' loop (``HF_TPU_STEPWISE_DECODE``), transformers compiles the decode step with
+    backend="tpu"; the cache's index_copy_ writes persist."""
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
     cpu_model = tiny_llama(tie_word_embeddings=False).eval()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     input_ids = torch.randint(0, 128, (1, 8))

@@ -65,10 +65,11 @@ def _process(child: str, cache: str, *args: str, **settings: str) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def _run(cache: str, *tasks: str) -> dict:
+def _run(cache: str, *tasks: str, **settings: str) -> dict:
     """One process running ``tasks`` (a sequence length: a compiled forward; ``generate``: static-cache greedy
-    decoding), each checked against the CPU, with torch's caching precompile on and the caches under ``cache``."""
-    outcome = _process(_CHILD, cache, *tasks)
+    decoding), each checked against the CPU, with torch's caching precompile on and the caches under ``cache``
+    (and the environment ``settings``)."""
+    outcome = _process(_CHILD, cache, *tasks, **settings)
     for result in outcome["results"]:
         if "tokens" in result:
             assert result["tokens"] == result["expected"]
@@ -97,10 +98,11 @@ def test_second_process_skips_dynamo_computes_the_same_and_traces_a_new_shape(co
 
 
 def test_generate_decode_steps_are_loaded_by_the_next_process(cold: tuple[str, dict]) -> None:
+    """transformers' loop (``HF_TPU_STEPWISE_DECODE``), whose decode step generate compiles with Dynamo."""
     cache, _ = cold
-    first = _run(cache, "generate")["results"][0]
+    first = _run(cache, "generate", HF_TPU_STEPWISE_DECODE="1")["results"][0]
     assert first["traced"] >= 1
-    second = _run(cache, "generate")
+    second = _run(cache, "generate", HF_TPU_STEPWISE_DECODE="1")
     assert second["results"][0]["traced"] == 0 and second["loaded"] == 1
     assert second["results"][0]["tokens"] == first["tokens"]
 
