@@ -140,6 +140,22 @@ def test_a_hook_added_after_the_first_generate_gets_a_new_program(models):
     assert len(decode_loop._programs[tpu_model]) == 2
 
 
+def test_an_index_out_of_range_inside_the_loop_raises_cpus_error_at_the_next_read(models):
+    _, tpu_model = models
+    forwards = []
+
+    def out_of_range_after_the_prefill(module, inputs, output):
+        forwards.append(1)
+        index = torch.full((1,), 3 if len(forwards) == 1 else 500, device=output.device)
+        return output + output.index_select(-1, index)
+
+    tpu_model.lm_head.register_forward_hook(out_of_range_after_the_prefill)
+    result = _generate(tpu_model, to_tpu(_padded_batch()[0]))
+    with pytest.raises(IndexError, match="index out of range in self"):
+        result.cpu()
+    assert compile_stats()["decode_loops"] == 1
+
+
 def test_fused_eager_mode_gives_the_same_tokens(models):
     cpu_model, tpu_model = models
     prompt, mask = _padded_batch()
