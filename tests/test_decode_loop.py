@@ -124,6 +124,17 @@ def test_a_step_that_cannot_be_one_program_warns_once_and_decodes_step_by_step(m
     assert len(tries) == 1 and compile_stats()["decode_loops"] == 0
 
 
+def test_a_model_generating_in_train_mode_decodes_as_one_program_once_in_eval_mode():
+    cpu_model = tiny_llama(tie_word_embeddings=False, attention_dropout=0.5).eval()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu").train()
+    prompt = _padded_batch()[0]
+    with pytest.warns(UserWarning, match="runs step by step.*random operators"):
+        _generate(tpu_model, to_tpu(prompt))  # dropout draws from the device's random stream at each step
+    tpu_model.eval()
+    assert _generate(tpu_model, to_tpu(prompt)).cpu().tolist() == _generate(cpu_model, prompt).tolist()
+    assert compile_stats()["decode_loops"] == 1
+
+
 def test_a_hook_added_after_the_first_generate_gets_a_new_program(models):
     cpu_model, tpu_model = models
     prompt = _padded_batch()[0]

@@ -32,21 +32,28 @@ from .stats import count
 
 _PROGRAMS_PER_MODEL = 8
 _programs: weakref.WeakKeyDictionary[torch.nn.Module, collections.OrderedDict] = weakref.WeakKeyDictionary()
-_unsupported: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# a model whose step could not be one program -> what its forward depended on then (see _forward_fingerprint)
+_unsupported: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def supports(model: torch.nn.Module) -> bool:
     """Whether the model's decode step may be one program: its weights are tpu tensors (on one chip or sharded
     over a mesh: not tensor subclasses such as the DTensors of tensor parallelism under torchrun, whose
-    steps hold collectives), no earlier try has failed, and ``HF_TPU_STEPWISE_DECODE`` does not ask for
-    transformers' loop, step by step."""
-    return (model not in _unsupported and not runtime.flag("HF_TPU_STEPWISE_DECODE")
-            and all(type(parameter.data) is torch.Tensor for parameter in model.parameters()))
+    steps hold collectives), no try has failed for the forward as it is now (dropout in train mode, say,
+    which a later ``model.eval()`` turns off), and ``HF_TPU_STEPWISE_DECODE`` does not ask for transformers'
+    loop, step by step."""
+    if runtime.flag("HF_TPU_STEPWISE_DECODE"):
+        return False
+    if any(type(parameter.data) is not torch.Tensor for parameter in model.parameters()):
+        return False
+    failed = _unsupported.get(model)
+    return failed is None or failed != _forward_fingerprint(model)
 
 
 def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
-    """Records that the model's decode step cannot be one program, warning once with ``reason``."""
-    _unsupported[model] = reason
+    """Records that the model's decode step, with its forward as it is now, cannot be one program, warning with
+    ``reason``."""
+    _unsupported[model] = _forward_fingerprint(model)
     warnings.warn(f"hf_tpu: greedy decoding of this {type(model).__name__} runs step by step, not as one program "
                   f"({reason})", stacklevel=2)
 

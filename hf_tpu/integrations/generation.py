@@ -222,6 +222,7 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
         or stopping_criteria.max_length is None
         or any(layer.max_cache_len < stopping_criteria.max_length for layer in cache.layers)
         or any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items() if name not in _STEP_TENSORS)
+        or getattr(model_kwargs.get("attention_mask"), "ndim", 2) != 2
         or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
         or not decode_loop.supports(model)
     ):
