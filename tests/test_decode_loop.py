@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 from conftest import tiny_llama, to_tpu
 from hf_tpu.compile import compile_stats, decode_loop
@@ -71,6 +72,34 @@ def test_the_shortest_generations(models, new_tokens):
     prompt = _padded_batch()[0]
     expected = _generate(cpu_model, prompt, max_new_tokens=new_tokens)
     assert _generate(tpu_model, to_tpu(prompt), max_new_tokens=new_tokens).cpu().tolist() == expected.tolist()
+
+
+class _Collector(transformers.generation.streamers.BaseStreamer):
+    def __init__(self) -> None:
+        self.chunks: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        assert value.device.type == "cpu"
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.chunks.append(["end"])
+
+
+@pytest.mark.parametrize("stop_early", [False, True], ids=["to_the_end", "eos"])
+def test_a_streamer_gets_each_token_as_transformers_loop_hands_it_over(models, stop_early):
+    """Streamed decoding runs one program per 8 tokens; the streamer gets the prompt, then each token."""
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0][:1]
+    options = {"eos_token_id": int(_generate(cpu_model, prompt)[0, prompt.shape[1] + 3])} if stop_early else {}
+    streamed = []
+    for model, inputs in ((cpu_model, prompt), (tpu_model, to_tpu(prompt))):
+        streamer = _Collector()
+        result = _generate(model, inputs, streamer=streamer, **options)
+        streamed.append((streamer.chunks, result.cpu().tolist()))
+    assert streamed[1] == streamed[0]
+    assert len(streamed[0][0]) == (6 if stop_early else NEW_TOKENS + 2)  # the prompt, the tokens, the end
+    assert compile_stats()["decode_loops"] == (1 if stop_early else 2)  # 9 tokens after the prefill's: 8, then 1
 
 
 def test_the_cache_ends_as_transformers_loop_leaves_it(models, monkeypatch):

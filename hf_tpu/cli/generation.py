@@ -54,12 +54,9 @@ def generate(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, devic
 
 
 def generate_twice(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, **options: Any) -> Generated:
-    """Generates on tpu twice, the first time with a progress bar unless the cache is static; prints the text
-    and both timings (the first run compiles) and returns the second run. A static cache decodes greedily as one
-    program, whose tokens come all at once; a streamer would send it to a loop compiled step by step instead,
-    and the second run would then compile the one program."""
-    progress = options.get("cache_implementation") != "static"
-    first = generate(model, tokenizer, prompt, max_new_tokens, "tpu", progress=progress, **options)
+    """Generates on tpu twice, the first time with a progress bar; prints the text and both timings (the
+    first run compiles) and returns the second run."""
+    first = generate(model, tokenizer, prompt, max_new_tokens, "tpu", progress=True, **options)
     second = generate(model, tokenizer, prompt, max_new_tokens, "tpu", **options)
     print(f"Prompt:    {prompt}\nGenerated: {second.text}\n")
     print(f"{len(second.tokens)} new tokens: first run {first.seconds:.2f} s (includes XLA compilation), "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -148,12 +148,13 @@ class _Program:
                   else model.get_buffer(target.removeprefix("model.")) for target, kind in self._weights),
                 *self._constants]
 
-    def _loop(self, weights: list, cache: tuple, inputs: dict, limits: tuple, pad_finished: bool) -> tuple:
-        """Steps until no row is unfinished: ``inputs`` are the first step's, ``limits`` the rows unfinished,
-        the end-of-sequence tokens, the pad token, the length so far and the maximum length. Returns the number
-        of steps, the tokens (``(batch, capacity)``, the first ``steps`` columns written), the cache's new
-        state and the check."""
-        unfinished, eos, pad, length, max_length = limits
+    def _loop(self, weights: list, cache: tuple, inputs: tuple, limits: tuple, pad_finished: bool) -> tuple:
+        """Steps until no row is unfinished, or ``budget`` steps ran: ``inputs`` are the first step's (in the
+        order of the step's inputs), ``limits`` the rows unfinished, the end-of-sequence tokens, the pad token,
+        the length so far, the maximum length and the budget. Returns the number of steps, the tokens
+        (``(batch, capacity)``, the first ``steps`` columns written), the cache's new state, the next step's
+        inputs, the rows unfinished, the length and the check."""
+        unfinished, eos, pad, length, max_length, budget = limits
         unfinished = unfinished != 0
         slots = self._slots
 
@@ -180,29 +181,26 @@ class _Program:
             return count + 1, tuple(state), unfinished, length, tokens, check
 
         def going(carry: tuple) -> Any:
-            return jnp.any(carry[2]) & (carry[0] < self._capacity)
+            return jnp.any(carry[2]) & (carry[0] < jnp.minimum(budget, self._capacity))
 
-        state = [None] * (len(self._cache_slots) + len(slots))
-        state[:len(cache)] = cache
-        for name, slot in slots.items():
-            state[slot] = inputs[name]
-        ids = inputs["input_ids"]
-        start = (jnp.zeros((), jnp.int64), tuple(state), unfinished, length,
+        ids = inputs[slots["input_ids"] - len(cache)]
+        start = (jnp.zeros((), jnp.int64), (*cache, *inputs), unfinished, length,
                  jnp.zeros((ids.shape[0], self._capacity), ids.dtype), jnp.zeros(2, jnp.int64))
-        count, state, _, _, tokens, check = jax.lax.while_loop(going, step, start)
-        return count, tokens, state[:len(cache)], check
+        count, state, unfinished, length, tokens, check = jax.lax.while_loop(going, step, start)
+        return count, tokens, state[:len(cache)], state[len(cache):], unfinished, length, check
 
     def run(self, model: torch.nn.Module, cache: Any, inputs: dict, unfinished: torch.Tensor,
-            limits: tuple[int, int, torch.Tensor | None, torch.Tensor | None]) -> Any:
-        """Decodes from the first step's ``inputs``; writes the cache's new state; returns the tokens after the
-        first step's ``(batch, steps)``, on tpu. A model with weights sharded over a mesh runs on the mesh."""
+            limits: tuple[int, int, torch.Tensor | None, torch.Tensor | None], chunk: int | None) -> Iterator[Any]:
+        """Decodes from the first step's ``inputs``, ``chunk`` steps a program run (all of them if ``None``):
+        yields the tokens of each run ``(batch, steps)``, on tpu, after writing the cache's new state. A model with
+        weights sharded over a mesh runs on the mesh."""
         input_ids = inputs["input_ids"]
         length, max_length, eos, pad = limits
         pad_finished = pad is not None
         eos = input_ids.new_zeros(0) if eos is None else eos.reshape(-1)
         pad = input_ids.new_zeros(()) if pad is None else pad
         weights, cache_tensors = self.weights(model), _layer_tensors(cache)
-        tensors = [*weights, *cache_tensors, *inputs.values(), unfinished, eos, pad]
+        tensors = [*weights, *cache_tensors, *(inputs[name] for name in self._slots), unfinished, eos, pad]
         device_index = storage.buffer_of(input_ids).device_index
         arrays = [graph_lowering._read(tensor, device_index) for tensor in tensors]
         placed = dispatch.on_one_mesh(arrays, [storage.buffer_of(tensor).device_index if tensor.device.type == "tpu"
@@ -210,19 +208,27 @@ class _Program:
         if placed is not None:
             arrays, device_index = placed
         first, last = len(weights), len(weights) + len(cache_tensors)
-        donate = all(graph_lowering.donatable(tensor, arrays[first + i], arrays)
-                     for i, tensor in enumerate(cache_tensors))
-        steps, tokens, written, check = self._loops[donate](
-            arrays[:first], tuple(arrays[first:last]), dict(zip(inputs, arrays[last:-3])),
-            (*arrays[-3:], jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)), pad_finished)
-        del arrays
-        for tensor, value in zip(cache_tensors, written):
-            storage.write(tensor, value)
-        if checks.mode() != "off":
-            dispatch.defer_check(check, device_index)
-        count("decode_loops")
-        tokens = jax.device_put(tokens, runtime.device(device_index)) if storage.is_spread(tokens) else tokens
-        return storage.wrap(tokens, input_ids.dtype, device_index)[:, :int(steps)]
+        weights, step_inputs, (unfinished, eos, pad) = arrays[:first], tuple(arrays[last:-3]), arrays[-3:]
+        del arrays[:first], arrays[last - first:]  # the cache's arrays, held here and by their storages only
+        length, max_length = jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)
+        budget = jnp.asarray(chunk or self._capacity, jnp.int64)
+        while True:
+            donate = all(graph_lowering.donatable(tensor, arrays[i], arrays) for i, tensor in enumerate(cache_tensors))
+            steps, tokens, written, step_inputs, unfinished, length, check = self._loops[donate](
+                weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget), pad_finished)
+            arrays.clear()
+            for tensor, value in zip(cache_tensors, written):
+                storage.write(tensor, value)
+            arrays.extend(written)
+            del written
+            if checks.mode() != "off":
+                dispatch.defer_check(check, device_index)
+            count("decode_loops")
+            tokens = jax.device_put(tokens, runtime.device(device_index)) if storage.is_spread(tokens) else tokens
+            steps = int(steps)
+            yield storage.wrap(tokens, input_ids.dtype, device_index)[:, :steps]
+            if chunk is None or steps < chunk:
+                return
 
 
 def _forward_fingerprint(model: torch.nn.Module) -> tuple:
@@ -245,9 +251,11 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
-           length: int, limits: tuple[int, torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
+           length: int, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
+           chunk: int | None = None) -> Iterator[torch.Tensor]:
     """The tokens greedy decoding appends after ``length`` tokens (the last not yet in ``cache``), stopping
-    where transformers' loop would: ``step_inputs`` are the first decode step's model inputs
+    where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
+    ``None``), each on tpu ``(batch, tokens)``, the cache written before it comes: ``step_inputs`` are the first decode step's model inputs
     (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's length, maybe the
     positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still going, ``limits``
     the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None`` without an
@@ -275,4 +283,4 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
         if len(programs) > _PROGRAMS_PER_MODEL:
             programs.popitem(last=False)
     programs.move_to_end(key)
-    return program.run(model, cache, tensors, unfinished, (length, *limits))
+    return program.run(model, cache, tensors, unfinished, (length, *limits), chunk)

@@ -197,14 +197,16 @@ def _install_in_graph_decode_mask(module: Any) -> None:
 
 # the tensors among a decode step's inputs that the one-program loop knows how to carry from step to step
 _STEP_TENSORS = ("input_ids", "attention_mask", "position_ids")
+# tokens a streamer gets at a time from the one-program loop (a program run each)
+_STREAMED_CHUNK = 8
 
 
 def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-                           generation_config: Any, synced_gpus: bool, streamer: Any, model_kwargs: dict) -> str | None:
+                           generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
-    (:mod:`hf_tpu.compile.decode_loop`): greedy, on one chip, from a static cache of full-attention layers that
-    generate made (and does not return), which generate would compile the step for; no logits processors,
-    stopping on length and end-of-sequence tokens only, the sequence only as the result, nothing streamed."""
+    (:mod:`hf_tpu.compile.decode_loop`): greedy, on one chip or a mesh, from a static cache of full-attention
+    layers that generate made (and does not return), which generate would compile the step for; no logits
+    processors, stopping on length and end-of-sequence tokens only, the sequences only as the result."""
     from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -213,7 +215,7 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     cache_key = next((name for name in ("cache", "past_key_values") if name in model_kwargs), None)
     cache = model_kwargs.get(cache_key)
     if (
-        input_ids.device.type != "tpu" or generation_config.do_sample or synced_gpus or streamer is not None
+        input_ids.device.type != "tpu" or generation_config.do_sample or synced_gpus
         or generation_config.return_dict_in_generate or model.config.is_encoder_decoder
         or getattr(generation_config, "is_assistant", False) or len(logits_processor)
         or type(cache) is not StaticCache or getattr(cache, "_is_user_defined", False)
@@ -246,15 +248,18 @@ def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
 
 
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
-                           stopping_criteria: Any, generation_config: Any, model_kwargs: dict) -> torch.Tensor:
+                           stopping_criteria: Any, generation_config: Any, streamer: Any,
+                           model_kwargs: dict) -> torch.Tensor:
     """``_sample``'s greedy decoding: the prefill and first token as transformers does them, then every later
-    step in one program; falls back to transformers' loop (from the start, on a reset cache) if the step
-    cannot be one program."""
+    step in one program (a run per :data:`_STREAMED_CHUNK` tokens for a ``streamer``, which gets each token as
+    transformers' loop hands it over); falls back to transformers' loop (from the start, on a reset cache) if the
+    step cannot be one program."""
     from ..compile import decode_loop
 
     limits = _limits(stopping_criteria, generation_config)
     if limits is None:
-        return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
+        return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
+                      **model_kwargs)
     kwargs = dict(model_kwargs)
     cache = kwargs[cache_key]
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
@@ -275,12 +280,24 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
         ):
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
-            tokens = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences.shape[1], limits)
+            pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences.shape[1], limits,
+                                        _STREAMED_CHUNK if streamer is not None else None)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
-        return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs)
-    return torch.cat([sequences, tokens], dim=-1)
+        return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
+                      **model_kwargs)
+    if streamer is not None:
+        streamer.put(token.cpu())
+    tokens = [sequences]
+    with model._optimize_model_for_decode():
+        for piece in pieces:
+            for column in piece.cpu().unbind(1) if streamer is not None else ():
+                streamer.put(column)
+            tokens.append(piece)
+    if streamer is not None:
+        streamer.end()
+    return torch.cat(tokens, dim=-1)
 
 
 def _install_decode_in_one_program(mixin: Any) -> None:
@@ -293,12 +310,12 @@ def _install_decode_in_one_program(mixin: Any) -> None:
                               generation_config: Any, synced_gpus: bool = False, streamer: Any = None,
                               **model_kwargs: Any) -> Any:
         cache_key = _one_program_cache_key(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                           synced_gpus, streamer, model_kwargs)
+                                           synced_gpus, model_kwargs)
         if cache_key is None:
             return sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                           synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
         return _decode_in_one_program(self, sample, cache_key, input_ids, logits_processor, stopping_criteria,
-                                      generation_config, model_kwargs)
+                                      generation_config, streamer, model_kwargs)
 
     sample_in_one_program._hf_tpu = True
     mixin._sample = sample_in_one_program
