@@ -257,9 +257,9 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
     ``None``), each on tpu ``(batch, tokens)``, the cache written before it comes. ``step_inputs`` are the first
     decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
-    length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still going, ``limits``
-    the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None`` without an
-    end-of-sequence criterion).
+    length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still
+    going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
+    without an end-of-sequence criterion).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
     and records it with :func:`mark_unsupported`).
