@@ -102,27 +102,27 @@ def test_a_streamer_gets_each_token_as_transformers_loop_hands_it_over(models, s
     assert compile_stats()["decode_loops"] == (1 if stop_early else 2)  # 9 tokens after the prefill's: 8, then 1
 
 
-def test_the_cache_ends_as_transformers_loop_leaves_it(models, monkeypatch):
-    _, tpu_model = models
-    prompt = _padded_batch()[0][:1]
-    caches = []
-    decode = decode_loop.decode
-    monkeypatch.setattr(decode_loop, "decode", lambda model, cache, *args: (caches.append(cache),
-                                                                          decode(model, cache, *args))[1])
-    _generate(tpu_model, to_tpu(prompt))
+def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monkeypatch):
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    expected = _generate(cpu_model, prompt, mask, return_dict_in_generate=True)
+    ours = _generate(tpu_model, to_tpu(prompt), mask, return_dict_in_generate=True)
+    assert compile_stats()["decode_loops"] == 1
     monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
-    stepwise = _generate(tpu_model, to_tpu(prompt), return_dict_in_generate=True).past_key_values
-    (cache,) = caches
-    length = int(stepwise.get_seq_length())
-    assert int(cache.get_seq_length()) == length == prompt.shape[1] + NEW_TOKENS - 1  # the last token is not in it
-    for ours, theirs in zip(cache.layers, stepwise.layers):
-        torch.testing.assert_close(ours.keys[:, :, :length].cpu(), theirs.keys[:, :, :length].cpu())
-        torch.testing.assert_close(ours.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
+    stepwise = _generate(tpu_model, to_tpu(prompt), mask, return_dict_in_generate=True)
+    assert ours.sequences.cpu().tolist() == stepwise.sequences.cpu().tolist() == expected.sequences.tolist()
+    length = int(expected.past_key_values.get_seq_length())
+    assert int(ours.past_key_values.get_seq_length()) == int(stepwise.past_key_values.get_seq_length()) == length
+    assert length == prompt.shape[1] + NEW_TOKENS - 1  # the last token is not in it
+    for mine, theirs in zip(ours.past_key_values.layers, stepwise.past_key_values.layers):
+        assert mine.keys.shape == theirs.keys.shape  # trimmed from the bucket to the length it has on CPU
+        torch.testing.assert_close(mine.keys[:, :, :length].cpu(), theirs.keys[:, :, :length].cpu())
+        torch.testing.assert_close(mine.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
 
 
 @pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(do_sample=True, top_k=1),
-                                     dict(return_dict_in_generate=True)],
-                         ids=["logits_processor", "sampling", "return_dict"])
+                                     dict(return_dict_in_generate=True, output_scores=True)],
+                         ids=["logits_processor", "sampling", "scores"])
 def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
     cpu_model, tpu_model = models
     prompt = _padded_batch()[0]

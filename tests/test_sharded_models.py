@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
+import os
 import tempfile
 from pathlib import Path
 
@@ -113,49 +115,48 @@ def _allocated() -> list[int]:
     return [torch.tpu.memory_allocated(k) for k in range(4)]
 
 
+def _check_static_cache_generate(reference: torch.nn.Module, tp: int, stepwise: bool) -> None:
+    static = dict(GREEDY, cache_implementation="static")
+    one_chip, sharded = _on_one_chip_and_sharded(reference, _tp_mesh(tp))
+    expected = _greedy_tokens(one_chip, **static)
+    before = _allocated()
+    for chip in range(4):
+        torch.tpu.reset_peak_memory_stats(chip)
+    reset_compile_stats()
+    result = _generate(sharded, expected, **static)
+    peaks = [torch.tpu.max_memory_allocated(chip) - then for chip, then in enumerate(before)]
+    stats = compile_stats()
+    assert stats["fallbacks"] == 0, stats
+    # the prefill runs eagerly; then all decode steps run as one program on the mesh, or, in transformers'
+    # loop, each as one compiled program, built once, for these shardings
+    if stepwise:
+        assert stats["calls"] == NEW_TOKENS - 1 and stats["compilations"] == 1, stats
+    else:
+        assert stats["decode_loops"] == 1 and stats["calls"] == 0, stats
+    layers = result.cache.layers
+    whole = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes() for layer in layers)
+    grown = [after - earlier for after, earlier in zip(_allocated(), before)]
+    assert grown[tp:] == [0] * (4 - tp), grown  # nothing on the chips outside the mesh
+    for layer in layers:
+        assert hf_tpu.placement(layer.keys) == _chips(tp)
+    if tp == 2:  # 2 KV heads, one per chip (at tp 4 each chip projects half a head: the cache is replicated)
+        for layer in layers:
+            for cache in (layer.keys, layer.values):  # views of the bucketed storage: its sharding
+                assert tuple(hf_tpu.sharding_of(cache).spec) == (None, "tp", None, None)
+        # each chip holds its half of the cache (and the tokens), not a whole copy
+        assert all(whole / tp <= share < whole / tp + 1024 for share in grown[:tp]), (grown, whole)
+        # and never held more: the cache is made on its shards (not zeros on tpu:0, then split)
+        assert peaks[0] - peaks[1] < whole / len(layers) / 4, (peaks, whole)
+
+
 def case_llama_static_cache_generate_is_compiled_once_and_sharded():
     reference = _llama()
-    static = dict(GREEDY, cache_implementation="static")
-    for tp in TP_SIZES:
-        one_chip, sharded = _on_one_chip_and_sharded(reference, _tp_mesh(tp))
-        expected = _greedy_tokens(one_chip, **static)
-        before = _allocated()
-        for chip in range(4):
-            torch.tpu.reset_peak_memory_stats(chip)
-        reset_compile_stats()
-        result = _generate(sharded, expected, **static)
-        peaks = [torch.tpu.max_memory_allocated(chip) - then for chip, then in enumerate(before)]
-        stats = compile_stats()
-        assert stats["fallbacks"] == 0, stats
-        # the prefill runs eagerly, every decode step one compiled program: built once, for these shardings
-        assert stats["calls"] == NEW_TOKENS - 1 and stats["compilations"] == 1, stats
-        layers = result.cache.layers
-        whole = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
-                    for layer in layers)
-        grown = [after - earlier for after, earlier in zip(_allocated(), before)]
-        assert grown[tp:] == [0] * (4 - tp), grown  # nothing on the chips outside the mesh
-        for layer in layers:
-            assert hf_tpu.placement(layer.keys) == _chips(tp)
-        if tp == 2:  # 2 KV heads, one per chip (at tp 4 each chip projects half a head: the cache is replicated)
-            for layer in layers:
-                for cache in (layer.keys, layer.values):  # views of the bucketed storage: its sharding
-                    assert tuple(hf_tpu.sharding_of(cache).spec) == (None, "tp", None, None)
-            # each chip holds its half of the cache (and the tokens), not a whole copy
-            assert all(whole / tp <= share < whole / tp + 1024 for share in grown[:tp]), (grown, whole)
-            # and never held more: the cache is made on its shards (not zeros on tpu:0, then split)
-            assert peaks[0] - peaks[1] < whole / len(layers) / 4, (peaks, whole)
-        del result
-
-
-def case_llama_static_cache_greedy_decode_runs_as_one_program_on_the_mesh():
-    reference = _llama()
-    static = dict(GREEDY, cache_implementation="static")
-    for tp in TP_SIZES:
-        one_chip, sharded = _on_one_chip_and_sharded(reference, _tp_mesh(tp))
-        expected = _greedy_tokens(one_chip, **static)
-        reset_compile_stats()
-        assert _greedy_tokens(sharded, **static) == expected
-        assert compile_stats()["decode_loops"] == 1 and compile_stats()["fallbacks"] == 0
+    try:
+        for tp, stepwise in itertools.product(TP_SIZES, (False, True)):
+            os.environ["HF_TPU_STEPWISE_DECODE"] = "1" if stepwise else "0"
+            _check_static_cache_generate(reference, tp, stepwise)
+    finally:
+        del os.environ["HF_TPU_STEPWISE_DECODE"]
 
 
 def case_text_generation_pipeline():

@@ -199,6 +199,8 @@ def _install_in_graph_decode_mask(module: Any) -> None:
 _STEP_TENSORS = ("input_ids", "attention_mask", "position_ids")
 # tokens a streamer gets at a time from the one-program loop (a program run each)
 _STREAMED_CHUNK = 8
+# what generate can return per step besides the sequences, which the one-program loop does not keep
+_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
 def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
@@ -206,7 +208,8 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
     (:mod:`hf_tpu.compile.decode_loop`): greedy, on one chip or a mesh, from a static cache of full-attention
     layers that generate made (and does not return), which generate would compile the step for; no logits
-    processors, stopping on length and end-of-sequence tokens only, the sequences only as the result."""
+    processors, stopping on length and end-of-sequence tokens only, the sequences (and with
+    ``return_dict_in_generate`` the cache) as the result."""
     from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -216,7 +219,8 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     cache = model_kwargs.get(cache_key)
     if (
         input_ids.device.type != "tpu" or generation_config.do_sample or synced_gpus
-        or generation_config.return_dict_in_generate or model.config.is_encoder_decoder
+        or (generation_config.return_dict_in_generate and any(getattr(generation_config, name) for name in _OUTPUTS))
+        or model.config.is_encoder_decoder
         or getattr(generation_config, "is_assistant", False) or len(logits_processor)
         or type(cache) is not StaticCache or getattr(cache, "_is_user_defined", False)
         or any(type(layer) is not StaticLayer for layer in cache.layers)
@@ -297,7 +301,14 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             tokens.append(piece)
     if streamer is not None:
         streamer.end()
-    return torch.cat(tokens, dim=-1)
+    sequences = torch.cat(tokens, dim=-1)
+    if not generation_config.return_dict_in_generate:
+        return sequences
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    # the cache's field: ``cache`` since transformers 5.2x, ``past_key_values`` before
+    field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+    return GenerateDecoderOnlyOutput(sequences=sequences, **{field: cache})
 
 
 def _install_decode_in_one_program(mixin: Any) -> None:
