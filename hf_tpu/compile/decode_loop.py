@@ -18,6 +18,7 @@ hooks on it, the attention and experts implementations, autocast and the checks 
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 import weakref
 from typing import Any, Iterator
@@ -98,6 +99,18 @@ def _layer_tensors(cache: Any) -> list[torch.Tensor]:
     return [tensor for tensors in _layer_state(cache) for tensor in tensors]
 
 
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true while the step is traced, as it is while Dynamo traces generate's
+    compiled step: transformers takes the same compile-friendly paths (no data-dependent checks of the mask)."""
+    compiling = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = compiling
+
+
 class _Program:
     """The traced step of one input signature and its decode loop, jitted with and without donating the cache.
 
@@ -115,7 +128,7 @@ class _Program:
 
         step = _Step(model, cache, cache_key, constants, list(inputs))
         state = [*_layer_tensors(cache), *inputs.values()]
-        with torch.no_grad():
+        with torch.no_grad(), _compiling():
             graph_module, signature = aot_export_module(step, state, trace_joint=False,
                                                         decompositions=decompositions())
         if signature.buffers_to_mutate:
