@@ -28,10 +28,16 @@ transformers pads it), and the model's forward builds the same 4D mask from it i
 costs nothing per token. Sliding-window layers size their masks from a Python count that changes every step, so
 their masks stay outside.
 
+Greedy decoding from such a cache runs every step after the prefill as one program on tpu
+(:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
+hands the loop to that program, or, for what it does not serve (sampling, logits processors, per-step outputs,
+other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own.
+
 Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
-``DeferredStopCheck`` (``is_supported``, ``__init__``) and the ``create_masks_for_generate`` that
-``prepare_inputs_for_generation`` calls, of ``transformers/generation/utils.py``, and
-``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py`` (transformers 5.x).
+``GenerationMixin._sample``, ``DeferredStopCheck`` (``is_supported``, ``__init__``) and the
+``create_masks_for_generate`` that ``prepare_inputs_for_generation`` calls, of
+``transformers/generation/utils.py``, and ``StaticLayer.lazy_initialization`` of
+``transformers/cache_utils.py`` (transformers 5.x).
 """
 
 from __future__ import annotations
@@ -207,7 +213,7 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
                            generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
     (:mod:`hf_tpu.compile.decode_loop`): greedy, on one chip or a mesh, from a static cache of full-attention
-    layers that generate made (and does not return), which generate would compile the step for; no logits
+    layers that generate made (not the caller's), which generate would compile the step for; no logits
     processors, stopping on length and end-of-sequence tokens only, the sequences (and with
     ``return_dict_in_generate`` the cache) as the result."""
     from transformers.cache_utils import StaticCache, StaticLayer
@@ -253,7 +259,7 @@ def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
 
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
                            stopping_criteria: Any, generation_config: Any, streamer: Any,
-                           model_kwargs: dict) -> torch.Tensor:
+                           model_kwargs: dict) -> Any:
     """``_sample``'s greedy decoding: the prefill and first token as transformers does them, then every later
     step in one program (a run per :data:`_STREAMED_CHUNK` tokens for a ``streamer``, which gets each token as
     transformers' loop hands it over); falls back to transformers' loop (from the start, on a reset cache) if the
@@ -333,8 +339,9 @@ def _install_decode_in_one_program(mixin: Any) -> None:
 
 
 def install(module: Any) -> None:
-    """Wraps ``_prepare_cache_for_generation``, ``generate``, ``DeferredStopCheck`` and ``create_masks_for_generate``
-    of ``transformers.generation.utils`` and the static cache's ``lazy_initialization``."""
+    """Wraps ``_prepare_cache_for_generation``, ``generate``, ``_sample``, ``DeferredStopCheck`` and
+    ``create_masks_for_generate`` of ``transformers.generation.utils`` and the static cache's
+    ``lazy_initialization``."""
     when_imported("transformers.cache_utils", _install_sharded_static_cache)
     if hasattr(module, "DeferredStopCheck"):
         _install_deferred_stop_check(module.DeferredStopCheck)
