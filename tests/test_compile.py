@@ -143,4 +143,6 @@ def test_generate_with_a_static_cache_compiles_decoding_into_one_graph(monkeypat
     result = tpu_model.generate(to_tpu(input_ids), **options)
     assert result.cpu().tolist() == expected.tolist()
     stats = compile_stats()
-    assert (stats["graphs"], stats["compilations"], stats["cache_hits"]) == (1, 1, 4)
+    # one graph, run for the 5 decode steps; one program at most: a test before this one in the process (another
+    # file's, stepwise too) may have compiled the same decode step, whose program is then shared
+    assert stats["graphs"] == 1 and stats["compilations"] + stats["cache_hits"] == 5 and stats["compilations"] <= 1
