@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
-import transformers
 
 from conftest import tiny_llama, to_tpu
 from hf_tpu.compile import compile_stats, decode_loop
+from tiny_models import Collector
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -74,18 +74,6 @@ def test_the_shortest_generations(models, new_tokens):
     assert _generate(tpu_model, to_tpu(prompt), max_new_tokens=new_tokens).cpu().tolist() == expected.tolist()
 
 
-class _Collector(transformers.generation.streamers.BaseStreamer):
-    def __init__(self) -> None:
-        self.chunks: list[list[int]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        assert value.device.type == "cpu"
-        self.chunks.append(value.flatten().tolist())
-
-    def end(self) -> None:
-        self.chunks.append(["end"])
-
-
 @pytest.mark.parametrize("stop_early", [False, True], ids=["to_the_end", "eos"])
 def test_a_streamer_gets_each_token_as_transformers_loop_hands_it_over(models, stop_early):
     """Streamed decoding runs one program per 8 tokens; the streamer gets the prompt, then each token."""
@@ -94,7 +82,7 @@ def test_a_streamer_gets_each_token_as_transformers_loop_hands_it_over(models, s
     options = {"eos_token_id": int(_generate(cpu_model, prompt)[0, prompt.shape[1] + 3])} if stop_early else {}
     streamed = []
     for model, inputs in ((cpu_model, prompt), (tpu_model, to_tpu(prompt))):
-        streamer = _Collector()
+        streamer = Collector()
         result = _generate(model, inputs, streamer=streamer, **options)
         streamed.append((streamer.chunks, result.cpu().tolist()))
     assert streamed[1] == streamed[0]

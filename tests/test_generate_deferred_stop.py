@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-import transformers
 import transformers.generation.utils as generation_utils
 from conftest import tiny_llama, to_tpu
 from hf_tpu.backend import checks
+from tiny_models import Collector
 
 if not hasattr(generation_utils, "DeferredStopCheck"):
     pytest.skip("transformers before 5.24 has no DeferredStopCheck: it waits for the flag", allow_module_level=True)
@@ -31,18 +31,6 @@ def models():
 
 def _prompt(batch: int = 1) -> torch.Tensor:
     return torch.randint(1, 128, (batch, 6), generator=torch.Generator().manual_seed(batch))
-
-
-class _Collector(transformers.generation.streamers.BaseStreamer):
-    def __init__(self) -> None:
-        self.chunks: list[list[int]] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        assert value.device.type == "cpu"
-        self.chunks.append(value.flatten().tolist())
-
-    def end(self) -> None:
-        self.chunks.append(["end"])
 
 
 def _host_syncs(monkeypatch) -> list[int]:
@@ -110,7 +98,7 @@ def test_a_streamer_gets_the_tokens_of_cpu(models):
     eos, _ = _stopping_early(cpu_model, prompt)
     streamed = []
     for model, inputs in ((cpu_model, prompt), (tpu_model, to_tpu(prompt))):
-        streamer = _Collector()
+        streamer = Collector()
         model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, streamer=streamer)
         streamed.append(streamer.chunks)
     assert streamed[1] == streamed[0]

@@ -1,10 +1,12 @@
-"""Tiny models saved with tokenizers built offline (no Hub): directories for pipelines and the hf-tpu command."""
+"""Tiny models saved with tokenizers built offline (no Hub): directories for pipelines and the hf-tpu command; and a
+streamer that records what ``generate`` hands it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from conftest import tiny_llama
 
@@ -23,6 +25,20 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+class Collector(BaseStreamer):
+    """A ``generate`` streamer that keeps each chunk it is handed (a list of token ids), then ``["end"]``."""
+
+    def __init__(self) -> None:
+        self.chunks: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        assert value.device.type == "cpu"
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.chunks.append(["end"])
 
 
 def save_tiny_llama(path: Path) -> Path:

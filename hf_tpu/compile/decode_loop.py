@@ -216,10 +216,7 @@ class _Program:
         tensors = [*weights, *cache_tensors, *(inputs[name] for name in self._slots), unfinished, eos, pad]
         device_index = storage.buffer_of(input_ids).device_index
         arrays = [graph_lowering._read(tensor, device_index) for tensor in tensors]
-        placed = dispatch.on_one_mesh(arrays, [storage.buffer_of(tensor).device_index if tensor.device.type == "tpu"
-                                               else device_index for tensor in tensors])
-        if placed is not None:
-            arrays, device_index = placed
+        arrays, device_index, _ = graph_lowering._on_one_mesh(tensors, arrays, device_index)
         first, last = len(weights), len(weights) + len(cache_tensors)
         weights, step_inputs, (unfinished, eos, pad) = arrays[:first], tuple(arrays[last:-3]), arrays[-3:]
         del arrays[:first], arrays[last - first:]  # the cache's arrays, held here and by their storages only
@@ -286,14 +283,11 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     except TypeError as error:  # an unhashable constant or hook
         raise NotImplementedError(f"the decode step's inputs cannot key a program ({error})") from error
     programs = _programs.setdefault(model, collections.OrderedDict())
-    program = programs.get(key)
+    program = graph_lowering._lookup(programs, key)
     if program is None:
         try:
             program = _Program(model, cache, cache_key, constants, tensors)
         except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
-        programs[key] = program
-        if len(programs) > _PROGRAMS_PER_MODEL:
-            programs.popitem(last=False)
-    programs.move_to_end(key)
+        graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)
     return program.run(model, cache, tensors, unfinished, (length, *limits), chunk)
