@@ -1,5 +1,5 @@
 """Greedy decoding of a small Llama: tpu (static cache, generate's auto-compile) next to the CPU
-paths and a hand-written pure-JAX decoder, in one process.
+paths and a hand-written pure-JAX decoder, in one process; and sampling on tpu.
 
 LlamaForCausalLM (hidden 512, 4 layers, 8 heads, 2 kv heads, intermediate 1376, vocab 8192, float32),
 built from a config (random weights, no downloads); a 32-token prompt and 64 new tokens, greedy.
@@ -16,7 +16,10 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
   then every decode step in one program (:mod:`hf_tpu.compile.decode_loop`);
 - ``tpu fused``: the same in fused eager mode (``torch.tpu.set_eager_mode("fused")``);
 - ``tpu stepwise``: ``HF_TPU_STEPWISE_DECODE=1``, transformers' own loop: each decode step compiled by
-  generate through the ``"tpu"`` backend, generate's eager ops between steps (fused mode).
+  generate through the ``"tpu"`` backend, generate's eager ops between steps (fused mode);
+- ``tpu sampled`` and ``tpu sampled stepwise``: the ``tpu`` and ``tpu stepwise`` runs sampling instead
+  (``do_sample=True, top_k=50, top_p=0.9, temperature=0.7``, seed 0): their tokens are compared with each
+  other's (the same draws), not with the CPU's.
 
 A tpu run's clock stops once all the work it queued is done (``torch.tpu.synchronize()``), so that none of it
 runs into the next variant's time.
@@ -121,9 +124,15 @@ def in_eager_mode(mode: str, run):
     return run_in_mode
 
 
+SAMPLING = dict(do_sample=True, top_k=50, top_p=0.9, temperature=0.7)
+
+
 def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
+    """The new tokens of a greedy ``generate`` (with ``SAMPLING`` among ``options``: sampled, from seed 0)."""
+    if options.get("do_sample"):
+        torch.manual_seed(0)
     with torch.no_grad():
-        output = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **options)
+        output = model.generate(prompt, max_new_tokens=NEW_TOKENS, **{"do_sample": False, **options})
     tokens = output[0, prompt.shape[1]:].cpu().tolist()
     if prompt.device.type == "tpu":  # all the work generate queued is done before the clock stops (or JAX's run starts)
         torch.tpu.synchronize()
@@ -283,9 +292,12 @@ def main() -> None:
     # alternated, so that all see the same load on a shared machine: their ratios are the figures that matter
     run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
+    run_sampled = functools.partial(run_tpu, **SAMPLING)
     alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),
                   "tpu fused": in_eager_mode("fused", run_tpu),
-                  "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu))}
+                  "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu)),
+                  "tpu sampled": in_eager_mode("strict", run_sampled),
+                  "tpu sampled stepwise": stepwise(in_eager_mode("fused", run_sampled))}
     results.update(timed_together(alternated, args.repeats))
     host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
 
@@ -293,13 +305,14 @@ def main() -> None:
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
     best_cpu = max(NEW_TOKENS / results[name][0] for name in results if name.startswith("torch cpu"))
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
-    print(f"Greedy decode, hidden 512, 4 layers, prompt 32, {NEW_TOKENS} new tokens (best of {args.repeats})\n")
-    print(f"{'variant':<20} {'tokens/s':>9} {'/ cpu eager':>12} {'same tokens as cpu eager':>26}")
+    print(f"Decode (greedy; sampled where named), hidden 512, 4 layers, prompt 32, {NEW_TOKENS} new tokens (best of {args.repeats})\n")
+    print(f"{'variant':<21} {'tokens/s':>9} {'/ cpu eager':>12} {'same tokens*':>13}")
     for name, (seconds, tokens) in results.items():
         rate = NEW_TOKENS / seconds
-        print(f"{name:<20} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference_tokens):>26}")
-    print()
-    for name in ("tpu", "tpu fused", "tpu stepwise"):
+        reference = results["tpu sampled stepwise"][1] if name.startswith("tpu sampled") else reference_tokens
+        print(f"{name:<21} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference):>13}")
+    print("* as cpu eager's; the sampled runs' as tpu sampled stepwise's\n")
+    for name in ("tpu", "tpu fused", "tpu stepwise", "tpu sampled", "tpu sampled stepwise"):
         rate = NEW_TOKENS / results[name][0]
         print(f"{name} / best torch cpu path: {rate / best_cpu:.2f}x; "
               f"{name} / pure jax: {rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")

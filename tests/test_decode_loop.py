@@ -1,6 +1,6 @@
-"""Greedy generate() from a static cache on tpu decodes as one program (hf_tpu/compile/decode_loop.py): the
-tokens and the cache are CPU's and transformers' loop's, rows stop at their own end-of-sequence token, and what
-the program cannot serve goes to transformers' loop."""
+"""generate() from a static cache on tpu decodes as one program (hf_tpu/compile/decode_loop.py): greedy tokens
+and the cache are CPU's and transformers' loop's, sampled tokens and the random stream transformers' loop's, rows
+stop at their own end-of-sequence token, and what the program cannot serve goes to transformers' loop."""
 
 from __future__ import annotations
 
@@ -108,9 +108,9 @@ def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monke
         torch.testing.assert_close(mine.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
 
 
-@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(do_sample=True, top_k=1),
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(do_sample=True, top_k=1, no_repeat_ngram_size=2),
                                      dict(return_dict_in_generate=True, output_scores=True)],
-                         ids=["logits_processor", "sampling", "scores"])
+                         ids=["logits_processor", "sampling_with_a_processor_of_the_tokens", "scores"])
 def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
     cpu_model, tpu_model = models
     prompt = _padded_batch()[0]
@@ -120,6 +120,42 @@ def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options)
     expected = expected.sequences if "return_dict_in_generate" in options else expected
     assert sequences.cpu().tolist() == expected.tolist()
     assert compile_stats()["decode_loops"] == 0
+
+
+def _sampled(model, prompt, mask=None, seed=3, **options):
+    """Sampled tokens from ``seed``, and the device's random state after them."""
+    torch.manual_seed(seed)
+    tokens = _generate(model, prompt, mask, do_sample=True, **options).cpu().tolist()
+    return tokens, torch.tpu.get_rng_state().tolist()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["at_once", "streamed"])
+@pytest.mark.parametrize("processors", [dict(top_k=20, top_p=0.9, temperature=0.8), dict(top_k=0, min_p=0.05)],
+                         ids=["top_k_top_p_temperature", "min_p"])
+def test_sampling_draws_what_transformers_loop_draws(models, monkeypatch, processors, streamed):
+    """The loop draws each token with the key transformers' loop would draw it with, and leaves the random stream
+    where that loop leaves it (streamed: a program run per 8 tokens, each going on from the last's keys)."""
+    _, tpu_model = models
+    prompt, mask = _padded_batch()
+    free = _sampled(tpu_model, to_tpu(prompt), mask, **processors)[0]
+    eos = {"eos_token_id": free[0][prompt.shape[1] + 3]}  # the first row stops early, padded while others go on
+    collectors = [Collector(), Collector()] if streamed else [None, None]
+    ours = _sampled(tpu_model, to_tpu(prompt), mask, streamer=collectors[0], **processors, **eos)
+    assert ours[0][0][:prompt.shape[1] + 4] == free[0][:prompt.shape[1] + 4] and ours[0][0][-1] == 0
+    assert compile_stats()["decode_loops"] == (3 if streamed else 2)
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
+    assert ours == _sampled(tpu_model, to_tpu(prompt), mask, streamer=collectors[1], **processors, **eos)
+    assert ours != _sampled(tpu_model, to_tpu(prompt), mask, seed=4, **processors, **eos)  # it does draw
+    if streamed:
+        assert collectors[0].chunks == collectors[1].chunks
+
+
+def test_sampling_from_the_top_token_alone_is_cpus_greedy_decoding(models):
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    expected = _generate(cpu_model, prompt, mask)
+    assert _generate(tpu_model, to_tpu(prompt), mask, do_sample=True, top_k=1).cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == 1
 
 
 def test_a_step_that_cannot_be_one_program_warns_once_and_decodes_step_by_step(models, monkeypatch):
@@ -139,6 +175,21 @@ def test_a_step_that_cannot_be_one_program_warns_once_and_decodes_step_by_step(m
         warnings.simplefilter("error", UserWarning)
         assert _generate(tpu_model, to_tpu(prompt)).cpu().tolist() == expected.tolist()
     assert len(tries) == 1 and compile_stats()["decode_loops"] == 0
+
+
+def test_sampling_falls_back_to_transformers_loop_with_its_draws(models, monkeypatch):
+    """The first token, drawn before the loop is built, is drawn again by transformers' loop from the start."""
+    _, tpu_model = models
+    prompt = _padded_batch()[0]
+
+    def trace(step, *arguments):
+        raise NotImplementedError("aten::made_up has no lowering")
+
+    monkeypatch.setattr(decode_loop._Step, "forward", trace)
+    with pytest.warns(UserWarning, match="runs step by step.*made_up"):
+        ours = _sampled(tpu_model, to_tpu(prompt))
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
+    assert ours == _sampled(tpu_model, to_tpu(prompt))
 
 
 def test_a_model_generating_in_train_mode_decodes_as_one_program_once_in_eval_mode():

@@ -54,6 +54,20 @@ def next_key_parts(device_index: int) -> tuple[int, int]:
     return state[0], offset
 
 
+def position(device_index: int) -> tuple[int, int]:
+    """The device's (seed, offset): the key parts the next random op draws, without advancing the stream."""
+    with _lock:
+        seed_value, offset = _state(device_index)
+    return seed_value, offset
+
+
+def advance(device_index: int, count: int) -> None:
+    """Advances the device's stream past ``count`` draws that a program made itself, from the offset of
+    :func:`position` on (one key per draw, as ``count`` calls of :func:`next_key_parts` would give)."""
+    with _lock:
+        _state(device_index)[1] += count
+
+
 def get_state(device_index: int) -> torch.Tensor:
     seed_value, offset = _state(device_index)
     return torch.tensor([seed_value, offset], dtype=torch.uint64).view(torch.uint8)

@@ -1,33 +1,38 @@
-"""Greedy decoding as one XLA program: the decode step inside a ``while`` loop on the chip.
+"""Decoding as one XLA program: the decode step and the token's choice inside a ``while`` loop on the chip.
 
-transformers' ``generate`` runs one compiled decode step per token and, around it, a dozen eager ops (argmax,
-padding of finished rows, appending the token, the stopping criteria, the mask) and a read of the stopping
-flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds tokens/s. For
-greedy decoding from a static cache of full-attention layers, with no logits processors and stopping on
-length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program:
-the model's decode step, traced as AOTAutograd traces graph mode's graphs and lowered by graph mode, in a
-``jax.lax.while_loop`` that also picks the token, pads finished rows, stops as transformers' criteria
-would and extends the mask. The host reads one number at the end (how many steps ran).
+transformers' ``generate`` runs one compiled decode step per token and, around it, a dozen eager ops (the logits
+processors, argmax or a draw, padding of finished rows, appending the token, the stopping criteria, the mask)
+and a read of the stopping flag. On tpu each of those is a dispatch from Python, and that host work, not the
+chip, bounds tokens/s. For greedy decoding and sampling from a static cache of full-attention layers, with
+logits processors that read the scores alone (temperature, top-k, top-p, min-p, typical, epsilon) and stopping
+on length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program:
+the model's decode step and the token's choice, traced as AOTAutograd traces graph mode's graphs and lowered by
+graph mode, in a ``jax.lax.while_loop`` that also pads finished rows, stops as transformers' criteria would and
+extends the mask. The host reads one number at the end (how many steps ran).
 
-The tokens are transformers' (the same step, the same rules); the cache ends as transformers' loop leaves it,
-without the extra step its deferred stop check takes and undoes. Programs are kept per model, keyed by the
-step's inputs and what the forward depends on besides them: each module's class, ``forward`` and mode, the
-hooks on it, the attention and experts implementations, autocast and the checks mode.
+The tokens are transformers' (the same step, the same rules; a draw takes the key transformers' loop would
+draw for it from the device's random stream, which ends where that loop leaves it); the cache ends as
+transformers' loop leaves it, without the extra step its deferred stop check takes and undoes. Programs are
+kept per model, keyed by the step's inputs, the token's choice and what the forward depends on besides them:
+each module's class, ``forward`` and mode, the hooks on it, the attention and experts implementations,
+autocast and the checks mode.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import warnings
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
-from ..backend import checks, dispatch, runtime, storage
+from ..backend import checks, dispatch, random_state, runtime, storage
 from . import graph_lowering
 from .stats import count
 
@@ -55,20 +60,50 @@ def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
     """Records that the model's decode step, with its forward as it is now, cannot be one program, warning with
     ``reason``."""
     _unsupported[model] = _forward_fingerprint(model)
-    warnings.warn(f"hf_tpu: greedy decoding of this {type(model).__name__} runs step by step, not as one program "
+    warnings.warn(f"hf_tpu: decoding with this {type(model).__name__} runs step by step, not as one program "
                   f"({reason})", stacklevel=2)
+
+
+def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Sequence, do_sample: bool) -> torch.Tensor:
+    """generate's choice of each row's next token from a forward's ``logits``: its last position's, in float32,
+    through the logits ``processors``, then drawn from their softmax or their argmax."""
+    scores = logits[:, -1].to(dtype=torch.float32)
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    if do_sample:
+        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return scores.argmax(-1)
+
+
+def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
+    """What a program's choice of the token depends on: the processors' classes and settings (plain numbers for
+    the processors that read the scores alone) and whether it draws; ``None`` where a processor is another kind."""
+    if not all(type(processor) in _score_processors() for processor in processors):
+        return None
+    return tuple((type(processor), tuple(sorted(vars(processor).items()))) for processor in processors), do_sample
+
+
+@functools.cache
+def _score_processors() -> frozenset:
+    """transformers' logits processors that read the scores alone (not the tokens so far) and hold plain numbers."""
+    from transformers.generation import logits_process
+
+    names = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+             "TypicalLogitsWarper", "EpsilonLogitsWarper")
+    return frozenset(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
 
 
 class _Step(torch.nn.Module):
     """One decode step of ``model`` on ``cache``: takes the cache layers' keys, values and lengths, then the
     step's other inputs (``input_names``), all positionally, so that tracing sees the cache's updates as input
-    mutations; returns the next token of each row by argmax."""
+    mutations; returns the next token of each row, chosen by :func:`next_tokens`."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
-                 input_names: list[str]) -> None:
+                 input_names: list[str], choice: tuple) -> None:
         super().__init__()
         self.model = model
         self._cache, self._cache_key, self._constants, self._input_names = cache, cache_key, constants, input_names
+        self._processors, self._do_sample = choice
 
     def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor]:
         layers = len(self._cache.layers)
@@ -79,7 +114,7 @@ class _Step(torch.nn.Module):
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
             _set_layer_state(self._cache, *saved)
-        return (logits[:, -1].float().argmax(-1),)
+        return (next_tokens(logits, inputs["input_ids"], self._processors, self._do_sample),)
 
 
 def _layer_state(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -119,14 +154,16 @@ class _Program:
     parameters and buffers, then the cache's tensors, ``input_ids`` (the token) and, if generate passes them,
     ``attention_mask`` (2D, the cache's length) and ``position_ids``; each step writes the cache, and the loop
     sets the next token, marks its column of the mask and adds one to the positions, as generate's
-    ``_update_model_kwargs_for_generation`` does."""
+    ``_update_model_kwargs_for_generation`` does. ``choice``: the logits processors and whether the token is
+    drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
 
-    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict) -> None:
+    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
+                 choice: tuple) -> None:
         from torch._functorch.aot_autograd import aot_export_module
 
         from .backend import decompositions
 
-        step = _Step(model, cache, cache_key, constants, list(inputs))
+        step = _Step(model, cache, cache_key, constants, list(inputs), choice)
         state = [*_layer_tensors(cache), *inputs.values()]
         with torch.no_grad(), _compiling():
             graph_module, signature = aot_export_module(step, state, trace_joint=False,
@@ -148,7 +185,8 @@ class _Program:
         if any(slot not in self._cache_slots for _, slot in self._updates) or len(signature.user_outputs) != 1:
             raise NotImplementedError("the decode step updates inputs other than the cache")
         self._token = results.index(signature.user_outputs[0])
-        self._function = graph.pure_function(fold_constants=False)
+        self._draws = int(choice[1])  # random ops in a step: the draw of the token, if it is drawn
+        self._function = graph.pure_function(fold_constants=False, draws=self._draws)
         self._capacity = cache.layers[0].max_cache_len
         self._loops = {donate: jax.jit(self._loop, static_argnums=(4,), donate_argnums=(1,) if donate else ())
                        for donate in (False, True)}
@@ -164,17 +202,18 @@ class _Program:
     def _loop(self, weights: list, cache: tuple, inputs: tuple, limits: tuple, pad_finished: bool) -> tuple:
         """Steps until no row is unfinished, or ``budget`` steps ran: ``inputs`` are the first step's (in the
         order of the step's inputs), ``limits`` the rows unfinished, the end-of-sequence tokens, the pad token,
-        the length so far, the maximum length and the budget. Returns the number of steps, the tokens
+        the length so far, the maximum length, the budget and the random stream's ``[seed, offset]``. Returns the number of steps, the tokens
         (``(batch, capacity)``, the first ``steps`` columns written), the cache's new state, the next step's
         inputs, the rows unfinished, the length and the check."""
-        unfinished, eos, pad, length, max_length, budget = limits
+        unfinished, eos, pad, length, max_length, budget, stream = limits
         unfinished = unfinished != 0
         slots = self._slots
 
         def step(carry: tuple) -> tuple:
             count, state, unfinished, length, tokens, check = carry
             state = list(state)
-            outputs, _, step_check = self._function(*weights[:len(self._weights)], *state,
+            keys = (_keys(stream, count, self._draws),) if self._draws else ()
+            outputs, _, step_check = self._function(*keys, *weights[:len(self._weights)], *state,
                                                     *weights[len(self._weights):])
             for result, slot in self._updates:
                 state[slot] = outputs[result]
@@ -223,9 +262,11 @@ class _Program:
         length, max_length = jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)
         budget = jnp.asarray(chunk or self._capacity, jnp.int64)
         while True:
+            stream = np.array(random_state.position(device_index), np.uint64)
             donate = all(graph_lowering.donatable(tensor, arrays[i], arrays) for i, tensor in enumerate(cache_tensors))
             steps, tokens, written, step_inputs, unfinished, length, check = self._loops[donate](
-                weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget), pad_finished)
+                weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget, stream),
+                pad_finished)
             arrays.clear()
             for tensor, value in zip(cache_tensors, written):
                 storage.write(tensor, value)
@@ -236,9 +277,17 @@ class _Program:
             count("decode_loops")
             tokens = jax.device_put(tokens, runtime.device(device_index)) if storage.is_spread(tokens) else tokens
             steps = int(steps)
+            random_state.advance(device_index, steps * self._draws)
             yield storage.wrap(tokens, input_ids.dtype, device_index)[:, :steps]
             if chunk is None or steps < chunk:
                 return
+
+
+def _keys(stream: Any, count: Any, draws: int) -> Any:
+    """Traced: the ``[seed, offset]`` rows of step ``count``'s ``draws`` random ops, the offsets after the steps'
+    before it from ``stream``'s on: the keys transformers' loop would draw for them, one op after another."""
+    offsets = stream[1] + count.astype(jnp.uint64) * draws + jnp.arange(draws, dtype=jnp.uint64)
+    return jnp.stack([jnp.broadcast_to(stream[0], offsets.shape), offsets], axis=1)
 
 
 def _forward_fingerprint(model: torch.nn.Module) -> tuple:
@@ -262,23 +311,28 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
            length: int, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
-           chunk: int | None = None) -> Iterator[torch.Tensor]:
-    """The tokens greedy decoding appends after ``length`` tokens (the last not yet in ``cache``), stopping
-    where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
+           choice: tuple = ((), False), chunk: int | None = None) -> Iterator[torch.Tensor]:
+    """The tokens generate appends after ``length`` tokens (the last not yet in ``cache``), stopping where
+    transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
     ``None``), each on tpu ``(batch, tokens)``, the cache written before it comes. ``step_inputs`` are the first
     decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
     length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still
     going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
-    without an end-of-sequence criterion).
+    without an end-of-sequence criterion), ``choice`` the logits processors (of the kinds :func:`choice_key`
+    takes) and whether the token is drawn from their softmax (else their argmax).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
     and records it with :func:`mark_unsupported`).
     """
     tensors = {name: value for name, value in step_inputs.items() if isinstance(value, torch.Tensor)}
     constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
+    choosing = choice_key(*choice)
+    if choosing is None:
+        raise NotImplementedError("a logits processor reads more than the scores")
     try:
         key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
-               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), _forward_fingerprint(model))
+               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing,
+               _forward_fingerprint(model))
         hash(key)
     except TypeError as error:  # an unhashable constant or hook
         raise NotImplementedError(f"the decode step's inputs cannot key a program ({error})") from error
@@ -286,7 +340,7 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     program = graph_lowering._lookup(programs, key)
     if program is None:
         try:
-            program = _Program(model, cache, cache_key, constants, tensors)
+            program = _Program(model, cache, cache_key, constants, tensors, choice)
         except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
         graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)

@@ -282,24 +282,27 @@ class CompiledGraph:
         """The tensors the graph holds (its ``get_attr`` nodes' values)."""
         return self._constants
 
-    def pure_function(self, static_values: tuple = (), fold_constants: bool = True) -> Callable[..., tuple]:
+    def pure_function(self, static_values: tuple = (), fold_constants: bool = True,
+                      draws: int = 0) -> Callable[..., tuple]:
         """For programs built around the graph (:mod:`hf_tpu.export`, :mod:`.decode_loop`): the graph as a JAX
         function of its tensor inputs, given its non-tensor inputs, returning (tensor outputs as
         :attr:`output_layouts` says, new values of mutated inputs, combined check or ``None``). The graph's
-        :attr:`constants` are folded in, or with ``fold_constants=False`` taken as arrays after the inputs.
+        :attr:`constants` are folded in, or with ``fold_constants=False`` taken as arrays after the inputs. With
+        ``draws``, the graph's random ops (that many) take their ``[seed, offset]`` rows from an array that comes
+        first, which the caller draws from the device's random stream.
 
-        Raises ``NotImplementedError`` if the graph has random ops: they draw from the device's random
-        stream at each run, which a program saved ahead of time cannot do.
+        Raises ``NotImplementedError`` if the graph has another number of random ops than ``draws``: a program
+        saved ahead of time cannot draw from the device's random stream at each run.
         """
-        if self._random_nodes:
-            names = ", ".join(sorted({node.target.name() for node in self._random_nodes}))
+        if len(self._random_nodes) != draws:
+            names = ", ".join(sorted({node.target.name() for node in self._random_nodes})) or "none"
             raise NotImplementedError(
                 f"random operators ({names}) cannot be part of a program saved ahead of time: they draw from the "
                 "device's random stream at each run; export the model in eval mode (model.eval()) so that dropout "
                 "is off")
-        if not fold_constants:
-            return functools.partial(self._trace, static_values, None)
-        constants = [_read(constant, 0) for constant in self._constants]
+        constants = [_read(constant, 0) for constant in self._constants] if fold_constants else []
+        if draws:
+            return lambda rng, *arrays: self._trace(static_values, rng, *arrays, *constants)
         return lambda *arrays: self._trace(static_values, None, *arrays, *constants)
 
     def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:

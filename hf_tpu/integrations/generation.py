@@ -212,10 +212,10 @@ _OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidde
 def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                            generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
-    (:mod:`hf_tpu.compile.decode_loop`): greedy, on one chip or a mesh, from a static cache of full-attention
-    layers that generate made (not the caller's), which generate would compile the step for; no logits
-    processors, stopping on length and end-of-sequence tokens only, the sequences (and with
-    ``return_dict_in_generate`` the cache) as the result."""
+    (:mod:`hf_tpu.compile.decode_loop`): greedy or sampling, on one chip or a mesh, from a static cache of
+    full-attention layers that generate made (not the caller's), which generate would compile the step for;
+    logits processors that read the scores alone (temperature, top-k, top-p, ...), stopping on length and
+    end-of-sequence tokens only, the sequences (and with ``return_dict_in_generate`` the cache) as the result."""
     from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -224,10 +224,11 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     cache_key = next((name for name in ("cache", "past_key_values") if name in model_kwargs), None)
     cache = model_kwargs.get(cache_key)
     if (
-        input_ids.device.type != "tpu" or generation_config.do_sample or synced_gpus
+        input_ids.device.type != "tpu" or synced_gpus
         or (generation_config.return_dict_in_generate and any(getattr(generation_config, name) for name in _OUTPUTS))
         or model.config.is_encoder_decoder
-        or getattr(generation_config, "is_assistant", False) or len(logits_processor)
+        or getattr(generation_config, "is_assistant", False)
+        or decode_loop.choice_key(logits_processor, generation_config.do_sample) is None
         or type(cache) is not StaticCache or getattr(cache, "_is_user_defined", False)
         or any(type(layer) is not StaticLayer for layer in cache.layers)
         or not all(type(criterion) in (MaxLengthCriteria, EosTokenCriteria) for criterion in stopping_criteria)
@@ -260,7 +261,7 @@ def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
                            stopping_criteria: Any, generation_config: Any, streamer: Any,
                            model_kwargs: dict) -> Any:
-    """``_sample``'s greedy decoding: the prefill and first token as transformers does them, then every later
+    """``_sample``'s decoding: the prefill and first token as transformers does them, then every later
     step in one program (a run per :data:`_STREAMED_CHUNK` tokens for a ``streamer``, which gets each token as
     transformers' loop hands it over); falls back to transformers' loop (from the start, on a reset cache) if the
     step cannot be one program."""
@@ -272,9 +273,11 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
                       **model_kwargs)
     kwargs = dict(model_kwargs)
     cache = kwargs[cache_key]
+    stream = torch.tpu.get_rng_state(input_ids.device)  # where the loop from the start draws again, if it must
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
     kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
-    token = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device).argmax(-1)
+    choice = (list(logits_processor), generation_config.do_sample)
+    token = decode_loop.next_tokens(outputs.logits, input_ids, *choice)
     del outputs
     sequences = torch.cat([input_ids, token[:, None]], dim=-1)
     unfinished = ~stopping_criteria(sequences, None)
@@ -291,10 +294,11 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
             pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences.shape[1], limits,
-                                        _STREAMED_CHUNK if streamer is not None else None)
+                                        choice, _STREAMED_CHUNK if streamer is not None else None)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
+        torch.tpu.set_rng_state(stream, input_ids.device)
         return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
                       **model_kwargs)
     if streamer is not None:
