@@ -1,6 +1,6 @@
 """transformers models with weights sharded over 2 and 4 chips (one process, SPMD) against the same model on one
 chip: logits, greedy generate (dynamic and compiled static cache, decoded step by step and as one program),
-pipelines, Trainer steps and data parallel.
+sampling as one program, pipelines, Trainer steps and data parallel.
 
 The weights are sharded here by a small Megatron-style helper (:func:`_shard`); how a model is split does not
 change its results, only where its work runs. The cases run once, together, in a subprocess with
@@ -157,6 +157,24 @@ def case_llama_static_cache_generate_is_compiled_once_and_sharded():
             _check_static_cache_generate(reference, tp, stepwise)
     finally:
         del os.environ["HF_TPU_STEPWISE_DECODE"]
+
+
+def case_llama_sampling_on_a_mesh_draws_what_one_chip_draws():
+    """Sampling runs as one program on the mesh, each token drawn with the key transformers' loop on one chip
+    draws it with."""
+    one_chip, sharded = _on_one_chip_and_sharded(_llama(), _tp_mesh(2))
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=8, temperature=0.7, cache_implementation="static")
+    runs = []
+    for model, stepwise in ((one_chip, "1"), (sharded, "0")):
+        os.environ["HF_TPU_STEPWISE_DECODE"] = stepwise
+        reset_compile_stats()
+        torch.manual_seed(1)
+        try:
+            runs.append((model.generate(PROMPT.to("tpu"), **options).cpu().tolist(), torch.tpu.get_rng_state().tolist()))
+        finally:
+            del os.environ["HF_TPU_STEPWISE_DECODE"]
+    assert runs[0] == runs[1]
+    assert compile_stats()["decode_loops"] == 1
 
 
 def case_text_generation_pipeline():

@@ -210,6 +210,17 @@ def case_factories_like_a_sharded_tensor_are_sharded_alike():
     assert hf_tpu.placement(torch.zeros_like(x.to("tpu:1"))) == (torch.device("tpu:1"),)
 
 
+def case_sampling_from_a_sharded_tensor_draws_what_one_chip_draws():
+    probabilities = torch.rand(8, 4) + 0.1
+    draws = {"multinomial": lambda p: torch.multinomial(p, 2), "poisson": lambda p: torch.poisson(p * 3),
+             "bernoulli": torch.bernoulli, "normal": lambda p: torch.normal(p, 0.5)}
+    for name, draw in draws.items():
+        torch.manual_seed(5)
+        sharded = draw(hf_tpu.distribute(probabilities, spec=ROWS))
+        torch.manual_seed(5)
+        _same(sharded, draw(probabilities.to("tpu")).cpu())
+
+
 def case_moving_and_gathering():
     x = torch.randn(8, 4)
     t = hf_tpu.distribute(x, spec=ROWS)

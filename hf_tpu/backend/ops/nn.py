@@ -412,9 +412,7 @@ def native_dropout(input, p, train):
     """Returns (output, keep mask); ``train=False`` passes the input through."""
     if train is False:
         return input.clone(), torch.ones_like(input, dtype=torch.bool)
-    buffer = storage.buffer_of(input)
-    parts = storage.beside(buffer, random.key_parts(buffer.device_index))  # a sharded input's mesh
-    index = buffer.device_index
+    index, parts = random.key_parts_beside(input)
     out, mask = _dropout(parts, storage.read(input), 1.0 - p)
     return storage.wrap(out, input.dtype, index), storage.wrap(mask, torch.bool, index)
 

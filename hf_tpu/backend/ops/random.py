@@ -11,6 +11,7 @@ Half-precision samples are drawn in float32 and rounded, as torch's CPU kernels 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,13 @@ def key_parts(device_index: int, generator: torch.Generator | None = None):
     return jax.device_put(np.array([seed, offset], np.uint64), runtime.device(device_index))
 
 
+def key_parts_beside(tensor: torch.Tensor, generator: torch.Generator | None = None) -> tuple[int, Any]:
+    """``tensor``'s chip index and :func:`key_parts` where a program may combine them with its array: on its chip,
+    or replicated over its mesh for a sharded tensor."""
+    buffer = storage.buffer_of(tensor)
+    return buffer.device_index, storage.beside(buffer, key_parts(buffer.device_index, generator))
+
+
 def key(parts):
     """The JAX key of ``key_parts`` (call inside jit); streams repeat after 2**32 ops per seed."""
     return jax.random.fold_in(jax.random.key(parts[0]), parts[1].astype(jnp.uint32))
@@ -39,15 +47,11 @@ def _sample_dtype(dtype):
     return jnp.dtype("float32") if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
-def _device_index(tensor: torch.Tensor) -> int:
-    return storage.buffer_of(tensor).device_index
-
-
 def _fill(self: torch.Tensor, sampler, generator, *args) -> torch.Tensor:
     """Writes ``sampler(key_parts, shape, dtype, *args)`` into ``self``."""
     if self.numel():
-        index = _device_index(self)
-        storage.write(self, sampler(key_parts(index, generator), tuple(self.shape), dtypes.to_jax(self.dtype), *args))
+        parts = key_parts_beside(self, generator)[1]
+        storage.write(self, sampler(parts, tuple(self.shape), dtypes.to_jax(self.dtype), *args))
     return self
 
 
@@ -80,9 +84,9 @@ def _normal_around(parts, mean, std):
 @kernel("normal.Tensor_float", "normal.float_Tensor", "normal.Tensor_Tensor")
 def normal(mean, std=1.0, generator=None):
     """A new tensor of samples with elementwise (broadcast) means and standard deviations."""
-    index = _device_index(mean if isinstance(mean, torch.Tensor) else std)
+    index, parts = key_parts_beside(mean if isinstance(mean, torch.Tensor) else std, generator)
     mean, std = (storage.read(v) if isinstance(v, torch.Tensor) else v for v in (mean, std))
-    samples = _normal_around(key_parts(index, generator), mean, std)
+    samples = _normal_around(parts, mean, std)
     return storage.wrap(samples, dtypes.to_torch(samples.dtype), index)
 
 
@@ -232,8 +236,8 @@ def _poisson(parts, rates):
 
 @kernel("poisson")
 def poisson(self, generator=None):
-    index = _device_index(self)
-    return storage.wrap(_poisson(key_parts(index, generator), storage.read(self)), self.dtype, index)
+    index, parts = key_parts_beside(self, generator)
+    return storage.wrap(_poisson(parts, storage.read(self)), self.dtype, index)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -253,8 +257,8 @@ def multinomial(self, num_samples, replacement=False, generator=None):
         raise RuntimeError("prob_dist must be 1 or 2 dim")
     if not replacement and num_samples > self.shape[-1]:
         raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
-    index = _device_index(self)
-    samples = _multinomial(key_parts(index, generator), storage.read(self), num_samples, replacement)
+    index, parts = key_parts_beside(self, generator)
+    samples = _multinomial(parts, storage.read(self), num_samples, replacement)
     return storage.wrap(samples, torch.int64, index)
 
 
@@ -268,5 +272,5 @@ def randperm_out(n, generator=None, out=None):
     if tuple(out.shape) != (n,):
         out.resize_((n,))
     if n:
-        storage.write(out, _permutation(key_parts(_device_index(out), generator), n, dtypes.to_jax(out.dtype)))
+        storage.write(out, _permutation(key_parts_beside(out, generator)[1], n, dtypes.to_jax(out.dtype)))
     return out
