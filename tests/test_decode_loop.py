@@ -108,9 +108,9 @@ def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monke
         torch.testing.assert_close(mine.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
 
 
-@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(do_sample=True, top_k=1, no_repeat_ngram_size=2),
+@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, top_k=1, min_new_tokens=4),
                                      dict(return_dict_in_generate=True, output_scores=True)],
-                         ids=["logits_processor", "sampling_with_a_processor_of_the_tokens", "scores"])
+                         ids=["logits_processor", "sampling_with_another_processor_of_the_tokens", "scores"])
 def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
     cpu_model, tpu_model = models
     prompt = _padded_batch()[0]
@@ -148,6 +148,22 @@ def test_sampling_draws_what_transformers_loop_draws(models, monkeypatch, proces
     assert ours != _sampled(tpu_model, to_tpu(prompt), mask, seed=4, **processors, **eos)  # it does draw
     if streamed:
         assert collectors[0].chunks == collectors[1].chunks
+
+
+def test_a_repetition_penalty_reads_the_tokens_so_far_as_transformers_loop_does(models, monkeypatch):
+    """Greedy: CPU's tokens (a penalty strong enough to change them); sampled: transformers' loop's draws."""
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    penalty = dict(repetition_penalty=5.0)
+    expected = _generate(cpu_model, prompt, mask, **penalty)
+    assert expected.tolist() != _generate(cpu_model, prompt, mask).tolist()
+    for _ in range(2):  # each generate's penalty ignores its own prompt's padding: the program is the same
+        assert _generate(tpu_model, to_tpu(prompt), mask, **penalty).cpu().tolist() == expected.tolist()
+    assert len(decode_loop._programs[tpu_model]) == 1
+    ours = _sampled(tpu_model, to_tpu(prompt), mask, top_k=10, **penalty)
+    assert compile_stats()["decode_loops"] == 3
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
+    assert ours == _sampled(tpu_model, to_tpu(prompt), mask, top_k=10, **penalty)
 
 
 def test_sampling_from_the_top_token_alone_is_cpus_greedy_decoding(models):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import warnings
 import weakref
@@ -76,21 +77,66 @@ def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Seque
 
 
 def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
-    """What a program's choice of the token depends on: the processors' classes and settings (plain numbers for
-    the processors that read the scores alone) and whether it draws; ``None`` where a processor is another kind."""
-    if not all(type(processor) in _score_processors() for processor in processors):
+    """What a program's choice of the token depends on: the processors' classes and settings (plain numbers) and
+    whether it draws; ``None`` where a processor is of a kind the loop does not run (see :func:`_runs_in_the_loop`)."""
+    if not all(map(_runs_in_the_loop, processors)):
         return None
     return tuple((type(processor), tuple(sorted(vars(processor).items()))) for processor in processors), do_sample
 
 
+def _runs_in_the_loop(processor: Any) -> bool:
+    """Whether the loop runs a logits processor as transformers' loop does: one that reads the scores alone
+    (temperature, top-k, top-p, min-p, typical, epsilon), or the repetition penalty, which reads the tokens so far
+    (see :func:`_tokens_so_far`)."""
+    kinds = _processor_kinds()
+    return type(processor) in kinds["scores"] or (
+        type(processor) in kinds["tokens"] and getattr(processor, "logits_indices", None) is None)
+
+
+def _reads_tokens(processors: Sequence) -> bool:
+    return any(type(processor) in _processor_kinds()["tokens"] for processor in processors)
+
+
 @functools.cache
-def _score_processors() -> frozenset:
-    """transformers' logits processors that read the scores alone (not the tokens so far) and hold plain numbers."""
+def _processor_kinds() -> dict[str, frozenset]:
+    """transformers' logits processors the loop runs, which hold plain numbers: those that read the scores alone
+    and those that read the tokens so far too."""
     from transformers.generation import logits_process
 
-    names = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-             "TypicalLogitsWarper", "EpsilonLogitsWarper")
-    return frozenset(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
+    def present(*names: str) -> frozenset:
+        return frozenset(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
+
+    return {"scores": present("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                              "TypicalLogitsWarper", "EpsilonLogitsWarper"),
+            "tokens": present("RepetitionPenaltyLogitsProcessor")}
+
+
+_TOKENS = "tokens so far"  # the step's input that holds them, for processors that read them (not a model input)
+
+
+def _tokens_so_far(processors: Sequence, sequences: torch.Tensor, max_length: int) -> tuple[list, torch.Tensor]:
+    """The processors as the loop runs them, and the tokens so far as they read them: ``max_length`` columns, where
+    those not decoded yet, and those of the prompt the repetition penalty ignores (``prompt_ignore_length``, which
+    generate sets to each row's left padding), hold the row's last token. That token was decoded after the prompt,
+    so the penalty counts it anyway, and a token counted twice is penalized once: the scores are transformers'
+    loop's. The penalty then runs without ``prompt_ignore_length`` (a tensor of each call, which would key a new
+    program every time)."""
+    length = sequences.shape[1]
+    last = sequences[:, -1:]
+    tokens = torch.cat([sequences, last.expand(-1, max_length - length)], dim=1)
+    readers = [processor for processor in processors if type(processor) in _processor_kinds()["tokens"]]
+    if len(readers) > 1:
+        raise NotImplementedError("more than one logits processor reads the tokens so far")
+    ignored = readers[0].prompt_ignore_length
+    if ignored is None:
+        return list(processors), tokens
+    if isinstance(ignored, int) and ignored >= length:
+        raise NotImplementedError("the repetition penalty ignores every token decoded so far")
+    bound = torch.as_tensor(ignored, device=sequences.device).reshape(-1, 1)
+    tokens = torch.where(torch.arange(max_length, device=sequences.device) < bound, last, tokens)
+    penalty = copy.copy(readers[0])
+    penalty.prompt_ignore_length = None
+    return [penalty if processor is readers[0] else processor for processor in processors], tokens
 
 
 class _Step(torch.nn.Module):
@@ -111,10 +157,11 @@ class _Step(torch.nn.Module):
         try:
             _set_layer_state(self._cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
             inputs = dict(zip(self._input_names, arguments[3 * layers:]))
+            tokens = inputs.pop(_TOKENS, inputs["input_ids"])
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
             _set_layer_state(self._cache, *saved)
-        return (next_tokens(logits, inputs["input_ids"], self._processors, self._do_sample),)
+        return (next_tokens(logits, tokens, self._processors, self._do_sample),)
 
 
 def _layer_state(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -228,6 +275,8 @@ class _Program:
                 state[slots["attention_mask"]] = state[slots["attention_mask"]].at[:, length - 1].set(1, mode="drop")
             if "position_ids" in slots:
                 state[slots["position_ids"]] = state[slots["position_ids"]] + 1
+            if _TOKENS in slots:
+                state[slots[_TOKENS]] = state[slots[_TOKENS]].at[:, length - 1].set(token, mode="drop")
             if step_check is not None:
                 check = jnp.where(check[0] != 0, check, step_check)
             return count + 1, tuple(state), unfinished, length, tokens, check
@@ -310,10 +359,10 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
-           length: int, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
+           sequences: torch.Tensor, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
            choice: tuple = ((), False), chunk: int | None = None) -> Iterator[torch.Tensor]:
-    """The tokens generate appends after ``length`` tokens (the last not yet in ``cache``), stopping where
-    transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
+    """The tokens generate appends to ``sequences`` (the tokens so far, the last not yet in ``cache``), stopping
+    where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
     ``None``), each on tpu ``(batch, tokens)``, the cache written before it comes. ``step_inputs`` are the first
     decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
     length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still
@@ -326,9 +375,12 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     """
     tensors = {name: value for name, value in step_inputs.items() if isinstance(value, torch.Tensor)}
     constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
-    choosing = choice_key(*choice)
+    processors, do_sample = choice
+    if _reads_tokens(processors):
+        processors, tensors[_TOKENS] = _tokens_so_far(processors, sequences, limits[0])
+    choosing = choice_key(processors, do_sample)
     if choosing is None:
-        raise NotImplementedError("a logits processor reads more than the scores")
+        raise NotImplementedError("a logits processor is of a kind the loop does not run")
     try:
         key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
                sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing,
@@ -340,8 +392,8 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     program = graph_lowering._lookup(programs, key)
     if program is None:
         try:
-            program = _Program(model, cache, cache_key, constants, tensors, choice)
+            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample))
         except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
         graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)
-    return program.run(model, cache, tensors, unfinished, (length, *limits), chunk)
+    return program.run(model, cache, tensors, unfinished, (sequences.shape[1], *limits), chunk)

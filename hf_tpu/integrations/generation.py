@@ -293,8 +293,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
         ):
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
-            pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences.shape[1], limits,
-                                        choice, _STREAMED_CHUNK if streamer is not None else None)
+            pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences, limits, choice,
+                                        _STREAMED_CHUNK if streamer is not None else None)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
