@@ -18,8 +18,9 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
 - ``tpu stepwise``: ``HF_TPU_STEPWISE_DECODE=1``, transformers' own loop: each decode step compiled by
   generate through the ``"tpu"`` backend, generate's eager ops between steps (fused mode);
 - ``tpu sampled`` and ``tpu sampled stepwise``: the ``tpu`` and ``tpu stepwise`` runs sampling instead
-  (``do_sample=True, top_k=50, top_p=0.9, temperature=0.7``, seed 0): their tokens are compared with each
-  other's (the same draws), not with the CPU's.
+  with Qwen2.5-Instruct's generation settings (``do_sample=True, top_k=20, top_p=0.8, temperature=0.7,
+  repetition_penalty=1.05``, seed 0): their tokens are compared with each other's (the same draws), not with
+  the CPU's.
 
 A tpu run's clock stops once all the work it queued is done (``torch.tpu.synchronize()``), so that none of it
 runs into the next variant's time.
@@ -124,7 +125,7 @@ def in_eager_mode(mode: str, run):
     return run_in_mode
 
 
-SAMPLING = dict(do_sample=True, top_k=50, top_p=0.9, temperature=0.7)
+SAMPLING = dict(do_sample=True, top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05)
 
 
 def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
