@@ -89,6 +89,28 @@ def test_generate_prints_what_the_cpu_generates(llama_dir, capsys):
     assert re.search(r"tokens/s", out), out
 
 
+def test_generate_samples_from_a_seed_as_transformers_loop_does(llama_dir, capsys, monkeypatch):
+    """``--sample``: the model's generation settings, each run from ``--seed``; the one-program loop draws what
+    transformers' loop draws."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "the cat sat on"
+    arguments = ["generate", str(llama_dir), "--prompt", prompt, "--max-new-tokens", "6", "--sample", "--seed", "7"]
+    assert main(arguments) == 0
+    out = capsys.readouterr().out
+    assert "sampled from seed 7" in out, out
+
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, device_map="tpu").eval()
+    inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False).to("tpu")
+    torch.manual_seed(7)
+    tokens = model.generate(**inputs, max_new_tokens=6, do_sample=True, pad_token_id=0,
+                            cache_implementation="static")[0, inputs.input_ids.shape[1]:].cpu()
+    expected = tokenizer.decode(tokens, skip_special_tokens=True)
+    assert expected and f"Generated: {expected}\n" in out, out
+
+
 def test_embed_prints_the_cpu_similarities(bert_dir, capsys):
     assert main(["embed", str(bert_dir), *TEXTS]) == 0
     out = capsys.readouterr().out

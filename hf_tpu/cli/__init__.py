@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache", choices=("static", "dynamic"), default="static",
         help="static: fixed-size KV cache, decoding step compiled once (default); dynamic: eager, growing cache",
     )
+    generate.add_argument(
+        "--sample", action="store_true",
+        help="sample with the model's generation settings (temperature, top-k, top-p, ...) instead of greedily",
+    )
+    generate.add_argument("--seed", type=int, default=0, help="the seed each sampled run starts from (default: 0)")
 
     embed = commands.add_parser("embed", help="embed texts with a local model on tpu and print their similarities")
     embed.add_argument("model_dir", type=Path, metavar="MODEL_DIR", help="a Hugging Face model directory")
@@ -79,7 +84,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
         from .generation import run_generate
 
-        return run_generate(args.model_dir, args.prompt, args.max_new_tokens, args.cache)
+        return run_generate(args.model_dir, args.prompt, args.max_new_tokens, args.cache,
+                            args.seed if args.sample else None)
     if args.command == "embed":
         from .embeddings import run_embed
 

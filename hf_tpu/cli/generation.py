@@ -38,16 +38,20 @@ class _Progress:
 
 
 def generate(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int, device: str,
-             progress: bool = False, **options: Any) -> Generated:
-    """Greedy generation of up to ``max_new_tokens`` after ``prompt`` (one sequence)."""
+             progress: bool = False, seed: int | None = None, **options: Any) -> Generated:
+    """Generation of up to ``max_new_tokens`` after ``prompt`` (one sequence): greedy, or with a ``seed``
+    sampled with the model's generation settings."""
     import torch
 
     inputs = tokenizer(prompt, return_tensors="pt", return_token_type_ids=False).to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if seed is not None:
+        torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                streamer=_Progress(max_new_tokens) if progress else None, **options)
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=seed is not None,
+                                pad_token_id=pad, streamer=_Progress(max_new_tokens) if progress else None,
+                                **options)
     tokens = output[0, inputs["input_ids"].shape[1]:].tolist()
     seconds = time.perf_counter() - start
     return Generated(tokens, tokenizer.decode(tokens, skip_special_tokens=True), seconds)
@@ -64,16 +68,19 @@ def generate_twice(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int,
     return second
 
 
-def run_generate(model_dir: Path, prompt: str, max_new_tokens: int, cache: str) -> int:
-    """``hf-tpu generate``: greedy generation with the causal language model in ``model_dir`` on tpu."""
+def run_generate(model_dir: Path, prompt: str, max_new_tokens: int, cache: str, seed: int | None = None) -> int:
+    """``hf-tpu generate``: generation with the causal language model in ``model_dir`` on tpu, greedy or (with a
+    ``seed``) sampled with the model's generation settings."""
     quiet_transformers()
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer, model = load(model_dir, AutoModelForCausalLM, "text generation", device_map="tpu")
-    print(f"Model: {model_dir} ({model.config.model_type}) on {torch.tpu.get_device_name()}, {cache} cache\n")
+    decoding = "greedy" if seed is None else f"sampled from seed {seed}"
+    print(f"Model: {model_dir} ({model.config.model_type}) on {torch.tpu.get_device_name()}, {cache} cache, "
+          f"{decoding}\n")
     options = {"cache_implementation": "static"} if cache == "static" else {}
-    generate_twice(model, tokenizer, prompt, max_new_tokens, **options)
+    generate_twice(model, tokenizer, prompt, max_new_tokens, seed=seed, **options)
     return 0
 
 
