@@ -306,7 +306,8 @@ def main() -> None:
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
     best_cpu = max(NEW_TOKENS / results[name][0] for name in results if name.startswith("torch cpu"))
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
-    print(f"Decode (greedy; sampled where named), hidden 512, 4 layers, prompt 32, {NEW_TOKENS} new tokens (best of {args.repeats})\n")
+    print(f"Decode (greedy; sampled where named), hidden 512, 4 layers, prompt 32, {NEW_TOKENS} new tokens "
+          f"(best of {args.repeats})\n")
     print(f"{'variant':<21} {'tokens/s':>9} {'/ cpu eager':>12} {'same tokens*':>13}")
     for name, (seconds, tokens) in results.items():
         rate = NEW_TOKENS / seconds

@@ -170,7 +170,8 @@ def case_llama_sampling_on_a_mesh_draws_what_one_chip_draws():
         reset_compile_stats()
         torch.manual_seed(1)
         try:
-            runs.append((model.generate(PROMPT.to("tpu"), **options).cpu().tolist(), torch.tpu.get_rng_state().tolist()))
+            tokens = model.generate(PROMPT.to("tpu"), **options).cpu().tolist()
+            runs.append((tokens, torch.tpu.get_rng_state().tolist()))
         finally:
             del os.environ["HF_TPU_STEPWISE_DECODE"]
     assert runs[0] == runs[1]

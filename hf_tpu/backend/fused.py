@@ -18,15 +18,15 @@
 - ``debug``: strict, and each op waits for its result and raises its failed checks at once, so an error points
   at the line that issued it.
 
-Values are immutable, so a recorded op sees what its inputs held when it was recorded, whatever is written to
-their storages later; views, in-place ops and aliasing go through the same storage reads and writes as in strict
-mode (a write through a view is recorded as the view-writer program strict mode runs). Shapes and dtypes are
-inferred at record time (the op's program is traced then, once per input signature, and the chain runs that very
-trace, whatever global state its lowering reads changes later), so tracing errors are raised by the
-op's own line. An error when a chain runs is located by running its ops one by one, and names the op and the
-source line that recorded it (kept for ops that may raise when they run: those that call out of XLA's own ops, to a
-host callback or a kernel; XLA's own ops fail only for want of memory, reported as such). A chain is recorded under one lock: the autograd engine records backward ops from
-its own thread into the same chain, in issue order.
+Values are immutable, so a recorded op sees what its inputs held when it was recorded, whatever is written to their
+storages later; views, in-place ops and aliasing go through the same storage reads and writes as in strict mode (a
+write through a view is recorded as the view-writer program strict mode runs). Shapes and dtypes are inferred at
+record time (the op's program is traced then, once per input signature, and the chain runs that very trace, whatever
+global state its lowering reads changes later), so tracing errors are raised by the op's own line. An error when a
+chain runs is located by running its ops one by one, and names the op and the source line that recorded it (kept for
+ops that may raise when they run: those that call out of XLA's own ops, to a host callback or a kernel; XLA's own
+ops fail only for want of memory, reported as such). A chain is recorded under one lock: the autograd engine records
+backward ops from its own thread into the same chain, in issue order.
 """
 
 from __future__ import annotations

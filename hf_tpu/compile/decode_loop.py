@@ -1,14 +1,14 @@
 """Decoding as one XLA program: the decode step and the token's choice inside a ``while`` loop on the chip.
 
 transformers' ``generate`` runs one compiled decode step per token and, around it, a dozen eager ops (the logits
-processors, argmax or a draw, padding of finished rows, appending the token, the stopping criteria, the mask)
-and a read of the stopping flag. On tpu each of those is a dispatch from Python, and that host work, not the
-chip, bounds tokens/s. For greedy decoding and sampling from a static cache of full-attention layers, with
-logits processors that read the scores alone (temperature, top-k, top-p, min-p, typical, epsilon) and stopping
-on length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program:
-the model's decode step and the token's choice, traced as AOTAutograd traces graph mode's graphs and lowered by
-graph mode, in a ``jax.lax.while_loop`` that also pads finished rows, stops as transformers' criteria would and
-extends the mask. The host reads one number at the end (how many steps ran).
+processors, argmax or a draw, padding of finished rows, appending the token, the stopping criteria, the mask) and a
+read of the stopping flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds
+tokens/s. For greedy decoding and sampling from a static cache of full-attention layers, with logits processors that
+read the scores alone (temperature, top-k, top-p, min-p, typical, epsilon) or the repetition penalty, and stopping
+on length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program: the
+model's decode step and the token's choice, traced as AOTAutograd traces graph mode's graphs and lowered by graph
+mode, in a ``jax.lax.while_loop`` that also pads finished rows, stops as transformers' criteria would and extends
+the mask. The host reads one number at the end (how many steps ran).
 
 The tokens are transformers' (the same step, the same rules; a draw takes the key transformers' loop would
 draw for it from the device's random stream, which ends where that loop leaves it); the cache ends as
@@ -199,9 +199,10 @@ class _Program:
     The step is traced as AOTAutograd traces graph mode's graphs (functionalized, below autograd, with graph
     mode's decompositions; ``aot_export_module``) and lowered by graph mode. Its inputs are the model's
     parameters and buffers, then the cache's tensors, ``input_ids`` (the token) and, if generate passes them,
-    ``attention_mask`` (2D, the cache's length) and ``position_ids``; each step writes the cache, and the loop
-    sets the next token, marks its column of the mask and adds one to the positions, as generate's
-    ``_update_model_kwargs_for_generation`` does. ``choice``: the logits processors and whether the token is
+    ``attention_mask`` (2D, the cache's length) and ``position_ids``, and the tokens so far for a repetition
+    penalty; each step writes the cache, and the loop sets the next token, marks its column of the mask, adds
+    one to the positions and writes the token into the tokens so far, as generate's
+    ``_update_model_kwargs_for_generation`` and its loop do. ``choice``: the logits processors and whether the token is
     drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
@@ -249,9 +250,9 @@ class _Program:
     def _loop(self, weights: list, cache: tuple, inputs: tuple, limits: tuple, pad_finished: bool) -> tuple:
         """Steps until no row is unfinished, or ``budget`` steps ran: ``inputs`` are the first step's (in the
         order of the step's inputs), ``limits`` the rows unfinished, the end-of-sequence tokens, the pad token,
-        the length so far, the maximum length, the budget and the random stream's ``[seed, offset]``. Returns the number of steps, the tokens
-        (``(batch, capacity)``, the first ``steps`` columns written), the cache's new state, the next step's
-        inputs, the rows unfinished, the length and the check."""
+        the length so far, the maximum length, the budget and the random stream's ``[seed, offset]``. Returns the
+        number of steps, the tokens (``(batch, capacity)``, the first ``steps`` columns written), the cache's new
+        state, the next step's inputs, the rows unfinished, the length and the check."""
         unfinished, eos, pad, length, max_length, budget, stream = limits
         unfinished = unfinished != 0
         slots = self._slots
