@@ -86,7 +86,7 @@ def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
 
 def _runs_in_the_loop(processor: Any) -> bool:
     """Whether the loop runs a logits processor as transformers' loop does: one that reads the scores alone
-    (temperature, top-k, top-p, min-p, typical, epsilon), or the repetition penalty, which reads the tokens so far
+    (temperature, top-k, top-p, min-p, typical, epsilon, invalid values removed, renormalization), or the repetition penalty, which reads the tokens so far
     (see :func:`_tokens_so_far`)."""
     kinds = _processor_kinds()
     return type(processor) in kinds["scores"] or (
@@ -107,7 +107,8 @@ def _processor_kinds() -> dict[str, frozenset]:
         return frozenset(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
 
     return {"scores": present("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-                              "TypicalLogitsWarper", "EpsilonLogitsWarper"),
+                              "TypicalLogitsWarper", "EpsilonLogitsWarper", "InfNanRemoveLogitsProcessor",
+                              "LogitNormalization"),
             "tokens": present("RepetitionPenaltyLogitsProcessor")}
 
 
