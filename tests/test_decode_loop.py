@@ -109,8 +109,8 @@ def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monke
 
 
 @pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, top_k=1, min_new_tokens=4),
-                                     dict(return_dict_in_generate=True, output_scores=True)],
-                         ids=["logits_processor", "sampling_with_another_processor_of_the_tokens", "scores"])
+                                     dict(return_dict_in_generate=True, output_attentions=True)],
+                         ids=["logits_processor", "sampling_with_another_processor_of_the_tokens", "attentions"])
 def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
     cpu_model, tpu_model = models
     prompt = _padded_batch()[0]
@@ -165,6 +165,33 @@ def test_a_repetition_penalty_reads_the_tokens_so_far_as_transformers_loop_does(
     assert compile_stats()["decode_loops"] == 3
     monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
     assert ours == _sampled(tpu_model, to_tpu(prompt), mask, top_k=10, **penalty)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["at_once", "streamed"])
+def test_each_steps_scores_and_logits_are_transformers_loops(models, monkeypatch, streamed):
+    """Greedy with a penalty: CPU's sequences, scores and logits; sampled: transformers' loop's on tpu."""
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    options = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, repetition_penalty=1.5,
+                   eos_token_id=int(_generate(cpu_model, prompt, mask)[0, prompt.shape[1] + 3]))
+    runs = []
+    for model, inputs in ((cpu_model, prompt), (tpu_model, to_tpu(prompt))):
+        streamer = Collector() if streamed and model is tpu_model else None
+        runs.append(_generate(model, inputs, mask, streamer=streamer, **options))
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "1")
+    torch.manual_seed(2)
+    runs.append(_generate(tpu_model, to_tpu(prompt), mask, do_sample=True, top_k=20, **options))
+    monkeypatch.setenv("HF_TPU_STEPWISE_DECODE", "0")
+    torch.manual_seed(2)
+    runs.append(_generate(tpu_model, to_tpu(prompt), mask, do_sample=True, top_k=20, **options))
+    assert compile_stats()["decode_loops"] == (3 if streamed else 2)
+    for expected, ours in (runs[:2], runs[2:]):
+        assert ours.sequences.cpu().tolist() == expected.sequences.cpu().tolist()
+        for name in ("scores", "logits"):
+            assert len(getattr(ours, name)) == len(getattr(expected, name)) == NEW_TOKENS
+            for mine, theirs in zip(getattr(ours, name), getattr(expected, name)):
+                assert mine.shape == theirs.shape
+                torch.testing.assert_close(mine.cpu(), theirs.cpu(), atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_from_the_top_token_alone_is_cpus_greedy_decoding(models):

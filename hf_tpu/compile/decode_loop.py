@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ..backend import checks, dispatch, random_state, runtime, storage
+from ..backend import checks, dispatch, dtypes, random_state, runtime, storage
 from . import graph_lowering
 from .stats import count
 
@@ -65,15 +65,20 @@ def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
                   f"({reason})", stacklevel=2)
 
 
-def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Sequence, do_sample: bool) -> torch.Tensor:
-    """generate's choice of each row's next token from a forward's ``logits``: its last position's, in float32,
-    through the logits ``processors``, then drawn from their softmax or their argmax."""
-    scores = logits[:, -1].to(dtype=torch.float32)
+def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Sequence,
+                do_sample: bool) -> dict[str, torch.Tensor]:
+    """generate's choice of each row's next token from a forward's ``logits``: its last position's, in float32
+    (``"logits"``), through the logits ``processors`` (``"scores"``), then drawn from their softmax or their argmax
+    (``"tokens"``)."""
+    raw = logits[:, -1].to(copy=True, dtype=torch.float32)  # a copy: a view would hold all of a prefill's logits
+    scores = raw
     for processor in processors:
         scores = processor(input_ids, scores)
     if do_sample:
-        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    return scores.argmax(-1)
+        tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    else:
+        tokens = scores.argmax(-1)
+    return {"tokens": tokens, "scores": scores, "logits": raw}
 
 
 def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
@@ -143,14 +148,16 @@ def _tokens_so_far(processors: Sequence, sequences: torch.Tensor, max_length: in
 class _Step(torch.nn.Module):
     """One decode step of ``model`` on ``cache``: takes the cache layers' keys, values and lengths, then the
     step's other inputs (``input_names``), all positionally, so that tracing sees the cache's updates as input
-    mutations; returns the next token of each row, chosen by :func:`next_tokens`."""
+    mutations; returns the next token of each row, chosen by :func:`next_tokens`, then the step's ``outputs``
+    (``"scores"``, ``"logits"``) that generate hands back."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
-                 input_names: list[str], choice: tuple) -> None:
+                 input_names: list[str], choice: tuple, outputs: tuple[str, ...]) -> None:
         super().__init__()
         self.model = model
         self._cache, self._cache_key, self._constants, self._input_names = cache, cache_key, constants, input_names
         self._processors, self._do_sample = choice
+        self._outputs = outputs
 
     def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor]:
         layers = len(self._cache.layers)
@@ -162,7 +169,8 @@ class _Step(torch.nn.Module):
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
             _set_layer_state(self._cache, *saved)
-        return (next_tokens(logits, tokens, self._processors, self._do_sample),)
+        chosen = next_tokens(logits, tokens, self._processors, self._do_sample)
+        return (chosen["tokens"], *(chosen[name] for name in self._outputs))
 
 
 def _layer_state(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -207,12 +215,12 @@ class _Program:
     drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
-                 choice: tuple) -> None:
+                 choice: tuple, outputs: tuple[str, ...]) -> None:
         from torch._functorch.aot_autograd import aot_export_module
 
         from .backend import decompositions
 
-        step = _Step(model, cache, cache_key, constants, list(inputs), choice)
+        step = _Step(model, cache, cache_key, constants, list(inputs), choice, outputs)
         state = [*_layer_tensors(cache), *inputs.values()]
         with torch.no_grad(), _compiling():
             graph_module, signature = aot_export_module(step, state, trace_joint=False,
@@ -231,13 +239,18 @@ class _Program:
         results = [node.name for node in graph_module.graph.find_nodes(op="output")[0].args[0]]
         self._updates = [(results.index(output), user_inputs.index(target))
                          for output, target in signature.user_inputs_to_mutate.items()]
-        if any(slot not in self._cache_slots for _, slot in self._updates) or len(signature.user_outputs) != 1:
+        if any(slot not in self._cache_slots for _, slot in self._updates) or \
+                len(signature.user_outputs) != 1 + len(outputs):
             raise NotImplementedError("the decode step updates inputs other than the cache")
         self._token = results.index(signature.user_outputs[0])
+        named = {node.name: node for node in graph_module.graph.nodes}
+        # each of the step's outputs: its place among the graph's results, and its shape and dtype
+        self._outputs = [(results.index(name), tuple(named[name].meta["val"].shape), named[name].meta["val"].dtype)
+                         for name in signature.user_outputs[1:]]
         self._draws = int(choice[1])  # random ops in a step: the draw of the token, if it is drawn
         self._function = graph.pure_function(fold_constants=False, draws=self._draws)
         self._capacity = cache.layers[0].max_cache_len
-        self._loops = {donate: jax.jit(self._loop, static_argnums=(4,), donate_argnums=(1,) if donate else ())
+        self._loops = {donate: jax.jit(self._loop, static_argnums=(4, 5), donate_argnums=(1,) if donate else ())
                        for donate in (False, True)}
 
     def weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
@@ -248,24 +261,28 @@ class _Program:
                   else model.get_buffer(target.removeprefix("model.")) for target, kind in self._weights),
                 *self._constants]
 
-    def _loop(self, weights: list, cache: tuple, inputs: tuple, limits: tuple, pad_finished: bool) -> tuple:
+    def _loop(self, weights: list, cache: tuple, inputs: tuple, limits: tuple, pad_finished: bool,
+              rows: int) -> tuple:
         """Steps until no row is unfinished, or ``budget`` steps ran: ``inputs`` are the first step's (in the
         order of the step's inputs), ``limits`` the rows unfinished, the end-of-sequence tokens, the pad token,
         the length so far, the maximum length, the budget and the random stream's ``[seed, offset]``. Returns the
-        number of steps, the tokens (``(batch, capacity)``, the first ``steps`` columns written), the cache's new
-        state, the next step's inputs, the rows unfinished, the length and the check."""
+        number of steps, the tokens (``(batch, capacity)``, the first ``steps`` columns written), the step's outputs
+        (each ``(rows, ...)``, the first ``steps`` rows written), the cache's new state, the next step's inputs,
+        the rows unfinished, the length and the check."""
         unfinished, eos, pad, length, max_length, budget, stream = limits
         unfinished = unfinished != 0
         slots = self._slots
 
         def step(carry: tuple) -> tuple:
-            count, state, unfinished, length, tokens, check = carry
+            count, state, unfinished, length, tokens, outputs_so_far, check = carry
             state = list(state)
             keys = (_keys(stream, count, self._draws),) if self._draws else ()
             outputs, _, step_check = self._function(*keys, *weights[:len(self._weights)], *state,
                                                     *weights[len(self._weights):])
             for result, slot in self._updates:
                 state[slot] = outputs[result]
+            outputs_so_far = tuple(written.at[count].set(outputs[result], mode="drop")
+                                   for written, (result, _, _) in zip(outputs_so_far, self._outputs))
             token = outputs[self._token].astype(tokens.dtype)
             if pad_finished:
                 token = jnp.where(unfinished, token, pad)
@@ -281,22 +298,23 @@ class _Program:
                 state[slots[_TOKENS]] = state[slots[_TOKENS]].at[:, length - 1].set(token, mode="drop")
             if step_check is not None:
                 check = jnp.where(check[0] != 0, check, step_check)
-            return count + 1, tuple(state), unfinished, length, tokens, check
+            return count + 1, tuple(state), unfinished, length, tokens, outputs_so_far, check
 
         def going(carry: tuple) -> Any:
             return jnp.any(carry[2]) & (carry[0] < jnp.minimum(budget, self._capacity))
 
         ids = inputs[slots["input_ids"] - len(cache)]
+        outputs = tuple(jnp.zeros((rows, *shape), dtypes.to_jax(dtype)) for _, shape, dtype in self._outputs)
         start = (jnp.zeros((), jnp.int64), (*cache, *inputs), unfinished, length,
-                 jnp.zeros((ids.shape[0], self._capacity), ids.dtype), jnp.zeros(2, jnp.int64))
-        count, state, unfinished, length, tokens, check = jax.lax.while_loop(going, step, start)
-        return count, tokens, state[:len(cache)], state[len(cache):], unfinished, length, check
+                 jnp.zeros((ids.shape[0], self._capacity), ids.dtype), outputs, jnp.zeros(2, jnp.int64))
+        count, state, unfinished, length, tokens, outputs, check = jax.lax.while_loop(going, step, start)
+        return count, tokens, outputs, state[:len(cache)], state[len(cache):], unfinished, length, check
 
     def run(self, model: torch.nn.Module, cache: Any, inputs: dict, unfinished: torch.Tensor,
             limits: tuple[int, int, torch.Tensor | None, torch.Tensor | None], chunk: int | None) -> Iterator[Any]:
         """Decodes from the first step's ``inputs``, ``chunk`` steps a program run (all of them if ``None``):
-        yields the tokens of each run ``(batch, steps)``, on tpu, after writing the cache's new state. A model with
-        weights sharded over a mesh runs on the mesh."""
+        yields the tokens of each run ``(batch, steps)`` and the step's outputs ``(steps, ...)``, on tpu, after
+        writing the cache's new state. A model with weights sharded over a mesh runs on the mesh."""
         input_ids = inputs["input_ids"]
         length, max_length, eos, pad = limits
         pad_finished = pad is not None
@@ -310,14 +328,15 @@ class _Program:
         first, last = len(weights), len(weights) + len(cache_tensors)
         weights, step_inputs, (unfinished, eos, pad) = arrays[:first], tuple(arrays[last:-3]), arrays[-3:]
         del arrays[:first], arrays[last - first:]  # the cache's arrays, held here and by their storages only
+        rows = (chunk or max_length - length) if self._outputs else 0  # the most steps a run takes
         length, max_length = jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)
         budget = jnp.asarray(chunk or self._capacity, jnp.int64)
         while True:
             stream = np.array(random_state.position(device_index), np.uint64)
             donate = all(graph_lowering.donatable(tensor, arrays[i], arrays) for i, tensor in enumerate(cache_tensors))
-            steps, tokens, written, step_inputs, unfinished, length, check = self._loops[donate](
+            steps, tokens, outputs, written, step_inputs, unfinished, length, check = self._loops[donate](
                 weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget, stream),
-                pad_finished)
+                pad_finished, rows)
             arrays.clear()
             for tensor, value in zip(cache_tensors, written):
                 storage.write(tensor, value)
@@ -326,12 +345,18 @@ class _Program:
             if checks.mode() != "off":
                 dispatch.defer_check(check, device_index)
             count("decode_loops")
-            tokens = jax.device_put(tokens, runtime.device(device_index)) if storage.is_spread(tokens) else tokens
             steps = int(steps)
             random_state.advance(device_index, steps * self._draws)
-            yield storage.wrap(tokens, input_ids.dtype, device_index)[:, :steps]
+            yield _on_chip(tokens, input_ids.dtype, device_index)[:, :steps], tuple(
+                _on_chip(output, dtype, device_index)[:steps] for output, (_, _, dtype) in zip(outputs, self._outputs))
             if chunk is None or steps < chunk:
                 return
+
+
+def _on_chip(array: Any, dtype: torch.dtype, device_index: int) -> torch.Tensor:
+    """A tpu tensor of a loop's result, on the inputs' chip (a result spread over a mesh is gathered there)."""
+    return storage.wrap(jax.device_put(array, runtime.device(device_index)) if storage.is_spread(array) else array,
+                        dtype, device_index)
 
 
 def _keys(stream: Any, count: Any, draws: int) -> Any:
@@ -362,10 +387,12 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
            sequences: torch.Tensor, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
-           choice: tuple = ((), False), chunk: int | None = None) -> Iterator[torch.Tensor]:
+           choice: tuple = ((), False), chunk: int | None = None,
+           outputs: tuple[str, ...] = ()) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """The tokens generate appends to ``sequences`` (the tokens so far, the last not yet in ``cache``), stopping
     where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
-    ``None``), each on tpu ``(batch, tokens)``, the cache written before it comes. ``step_inputs`` are the first
+    ``None``), each on tpu ``(batch, tokens)`` with the steps' ``outputs`` (``"scores"``, ``"logits"``: see
+    :func:`next_tokens`), each ``(tokens, batch, vocabulary)``, the cache written before they come. ``step_inputs`` are the first
     decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
     length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still
     going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
@@ -385,7 +412,7 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
         raise NotImplementedError("a logits processor is of a kind the loop does not run")
     try:
         key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
-               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing,
+               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing, outputs,
                _forward_fingerprint(model))
         hash(key)
     except TypeError as error:  # an unhashable constant or hook
@@ -394,7 +421,7 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     program = graph_lowering._lookup(programs, key)
     if program is None:
         try:
-            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample))
+            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample), outputs)
         except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
         graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)

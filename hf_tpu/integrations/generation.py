@@ -205,8 +205,10 @@ def _install_in_graph_decode_mask(module: Any) -> None:
 _STEP_TENSORS = ("input_ids", "attention_mask", "position_ids")
 # tokens a streamer gets at a time from the one-program loop (a program run each)
 _STREAMED_CHUNK = 8
-# what generate can return per step besides the sequences, which the one-program loop does not keep
-_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+# what generate can return per step besides the sequences: what the one-program loop keeps (the option, and the
+# output of decode_loop.next_tokens) and what it does not
+_STEP_OUTPUTS = {"output_scores": "scores", "output_logits": "logits"}
+_OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
 def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
@@ -214,8 +216,9 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
     (:mod:`hf_tpu.compile.decode_loop`): greedy or sampling, on one chip or a mesh, from a static cache of
     full-attention layers that generate made (not the caller's), which generate would compile the step for;
-    logits processors that read the scores alone (temperature, top-k, top-p, ...), stopping on length and
-    end-of-sequence tokens only, the sequences (and with ``return_dict_in_generate`` the cache) as the result."""
+    logits processors the loop runs (temperature, top-k, top-p, repetition penalty, ...), stopping on length and
+    end-of-sequence tokens only, the sequences (and with ``return_dict_in_generate`` the cache and maybe each
+    step's scores and logits) as the result."""
     from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
@@ -277,8 +280,13 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
     kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
     choice = (list(logits_processor), generation_config.do_sample)
-    token = decode_loop.next_tokens(outputs.logits, input_ids, *choice)
+    chosen = decode_loop.next_tokens(outputs.logits, input_ids, *choice)
     del outputs
+    token = chosen["tokens"]
+    wanted = tuple(name for option, name in _STEP_OUTPUTS.items()
+                   if generation_config.return_dict_in_generate and getattr(generation_config, option))
+    per_step = {name: [chosen[name][None]] for name in wanted}  # each output's (steps, batch, vocabulary) pieces
+    del chosen
     sequences = torch.cat([input_ids, token[:, None]], dim=-1)
     unfinished = ~stopping_criteria(sequences, None)
     step_inputs = model.prepare_inputs_for_generation(sequences, next_sequence_length=1, **kwargs)
@@ -294,7 +302,7 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
             pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences, limits, choice,
-                                        _STREAMED_CHUNK if streamer is not None else None)
+                                        _STREAMED_CHUNK if streamer is not None else None, wanted)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
@@ -305,10 +313,12 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
         streamer.put(token.cpu())
     tokens = [sequences]
     with model._optimize_model_for_decode():
-        for piece in pieces:
+        for piece, outputs in pieces:
             for column in piece.cpu().unbind(1) if streamer is not None else ():
                 streamer.put(column)
             tokens.append(piece)
+            for name, output in zip(wanted, outputs):
+                per_step[name].append(output)
     if streamer is not None:
         streamer.end()
     sequences = torch.cat(tokens, dim=-1)
@@ -318,7 +328,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
 
     # the cache's field: ``cache`` since transformers 5.2x, ``past_key_values`` before
     field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-    return GenerateDecoderOnlyOutput(sequences=sequences, **{field: cache})
+    steps = {name: tuple(torch.cat(pieces).unbind(0)) for name, pieces in per_step.items()}  # one tensor a token
+    return GenerateDecoderOnlyOutput(sequences=sequences, **steps, **{field: cache})
 
 
 def _install_decode_in_one_program(mixin: Any) -> None:
