@@ -91,8 +91,8 @@ def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
 
 def _runs_in_the_loop(processor: Any) -> bool:
     """Whether the loop runs a logits processor as transformers' loop does: one that reads the scores alone
-    (temperature, top-k, top-p, min-p, typical, epsilon, invalid values removed, renormalization), or the repetition penalty, which reads the tokens so far
-    (see :func:`_tokens_so_far`)."""
+    (temperature, top-k, top-p, min-p, typical, epsilon, invalid values removed, renormalization), or the
+    repetition penalty, which reads the tokens so far (see :func:`_tokens_so_far`)."""
     kinds = _processor_kinds()
     return type(processor) in kinds["scores"] or (
         type(processor) in kinds["tokens"] and getattr(processor, "logits_indices", None) is None)
@@ -392,8 +392,8 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     """The tokens generate appends to ``sequences`` (the tokens so far, the last not yet in ``cache``), stopping
     where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
     ``None``), each on tpu ``(batch, tokens)`` with the steps' ``outputs`` (``"scores"``, ``"logits"``: see
-    :func:`next_tokens`), each ``(tokens, batch, vocabulary)``, the cache written before they come. ``step_inputs`` are the first
-    decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
+    :func:`next_tokens`), each ``(tokens, batch, vocabulary)``, the cache written before they come.
+    ``step_inputs`` are the first decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
     length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still
     going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
     without an end-of-sequence criterion), ``choice`` the logits processors (of the kinds :func:`choice_key`
