@@ -392,12 +392,12 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     """The tokens generate appends to ``sequences`` (the tokens so far, the last not yet in ``cache``), stopping
     where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
     ``None``), each on tpu ``(batch, tokens)`` with the steps' ``outputs`` (``"scores"``, ``"logits"``: see
-    :func:`next_tokens`), each ``(tokens, batch, vocabulary)``, the cache written before they come.
-    ``step_inputs`` are the first decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to the cache's
-    length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows still
-    going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
-    without an end-of-sequence criterion), ``choice`` the logits processors (of the kinds :func:`choice_key`
-    takes) and whether the token is drawn from their softmax (else their argmax).
+    :func:`next_tokens`), each ``(tokens, batch, vocabulary)``, the cache written before they come. ``step_inputs``
+    are the first decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to
+    the cache's length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows
+    still going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
+    without an end-of-sequence criterion), ``choice`` the logits processors (of the kinds :func:`choice_key` takes)
+    and whether the token is drawn from their softmax (else their argmax).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
     and records it with :func:`mark_unsupported`).
