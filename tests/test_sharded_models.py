@@ -105,7 +105,7 @@ def case_llama_logits_and_dynamic_cache_generate():
     for tp in TP_SIZES:
         one_chip, sharded = _check_logits(reference, tp)
         result = _generate(sharded, _greedy_tokens(one_chip, **GREEDY), **GREEDY)
-        keys = result.cache.layers[0].keys  # built by torch.cat of sharded keys: on the mesh
+        keys = result.past_key_values.layers[0].keys  # built by torch.cat of sharded keys: on the mesh
         assert hf_tpu.placement(keys) == _chips(tp), (tp, hf_tpu.placement(keys))
 
 
@@ -133,7 +133,7 @@ def _check_static_cache_generate(reference: torch.nn.Module, tp: int, stepwise: 
         assert stats["calls"] == NEW_TOKENS - 1 and stats["compilations"] == 1, stats
     else:
         assert stats["decode_loops"] == 1 and stats["calls"] == 0, stats
-    layers = result.cache.layers
+    layers = result.past_key_values.layers
     whole = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes() for layer in layers)
     grown = [after - earlier for after, earlier in zip(_allocated(), before)]
     assert grown[tp:] == [0] * (4 - tp), grown  # nothing on the chips outside the mesh
