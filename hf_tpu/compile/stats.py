@@ -40,7 +40,7 @@ def compile_stats() -> dict[str, float]:
       (the same weights and caches, new tensors of the same shapes: a decode step) and skipped working
       out placement and executable again (see :mod:`.fast_call`);
     - ``fallbacks``: graphs with an operator graph mode cannot lower, run eagerly op by op instead;
-    - ``decode_loops``: runs of greedy decoding's one program (see :mod:`.decode_loop`): one per ``generate``,
+    - ``decode_loops``: runs of decoding's one program (see :mod:`.decode_loop`): one per ``generate``,
       one per 8 tokens with a streamer;
     - ``warm_starts``: ATen graphs loaded from the on-disk cache of AOTAutograd's results instead of
       traced (see :mod:`.warm_start`).

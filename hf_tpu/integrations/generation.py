@@ -28,10 +28,10 @@ transformers pads it), and the model's forward builds the same 4D mask from it i
 costs nothing per token. Sliding-window layers size their masks from a Python count that changes every step, so
 their masks stay outside.
 
-Greedy decoding from such a cache runs every step after the prefill as one program on tpu
+Decoding from such a cache, greedy or sampled, runs every step after the prefill as one program on tpu
 (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
-hands the loop to that program, or, for what it does not serve (sampling, logits processors, per-step outputs,
-other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own.
+hands the loop to that program, or, for what it does not serve (logits processors it does not run, per-step
+attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own.
 
 Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
 ``GenerationMixin._sample``, ``DeferredStopCheck`` (``is_supported``, ``__init__``) and the
