@@ -189,6 +189,25 @@ def test_integer_pow_and_sqrt_of_int():
     check_against_cpu(torch.sqrt, J.int())
 
 
+@pytest.mark.parametrize("exponent", [1, 2, 2.0, 3, -2, -1, -1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_powers_torch_computes_without_its_power_function_are_bit_identical(exponent, dtype):
+    """x ** 2 is x * x on CPU (and 3, -2, -1 likewise): the same arithmetic on tpu, eager and compiled (0.5 is
+    ``sqrt`` on both, which XLA's CPU code rounds differently in the last bit now and then)."""
+    base = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    expected = base.pow(exponent)
+    assert torch.equal(base.to("tpu").pow(exponent).cpu().nan_to_num(), expected.nan_to_num())
+    compiled = torch.compile(lambda t: t.pow(exponent), backend="tpu", fullgraph=True)
+    assert torch.equal(compiled(base.to("tpu")).cpu().nan_to_num(), expected.nan_to_num())
+
+
+def test_specialized_powers_keep_the_result_dtype():
+    ints = torch.arange(1, 8)
+    for exponent in (2, 2.0, -1.0, 0.5, -0.5, 3):
+        check_against_cpu(lambda a: a**exponent, ints)
+    check_against_cpu(lambda a: a.pow(2), X.to(torch.bfloat16))
+
+
 def test_div_rejects_unknown_rounding_mode():
     with pytest.raises(RuntimeError, match="rounding_mode"):
         torch.div(X.to("tpu"), 2, rounding_mode="round")

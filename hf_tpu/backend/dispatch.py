@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
@@ -41,6 +41,7 @@ class Lowering:
     writes_overlapping: bool = False
     sees_layout: bool = False
     calls_kernels: bool = False
+    specialized: dict[str, frozenset] = field(default_factory=dict)
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -49,7 +50,7 @@ CUSTOM_KERNELS: dict[str, Callable[..., Any]] = {}
 
 def lowering(
     *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False, sees_layout: bool = False,
-    calls_kernels: bool = False,
+    calls_kernels: bool = False, specialized: dict[str, tuple] | None = None,
 ) -> Callable[[Callable], Callable]:
     """Registers a JAX lowering for ATen overloads (``"add.Tensor"``; namespace ``aten`` unless given).
 
@@ -62,10 +63,14 @@ def lowering(
     ``A^T`` when ``A`` is contiguous, and its backward solves with the factors accordingly).
     ``calls_kernels``: the lowering may call a Pallas kernel (:func:`~hf_tpu.backend.runtime.pallas_kernels`),
     so its programs wait for their results where the kernel is interpreted (:func:`runtime.waiting`).
+    ``specialized`` maps Scalar parameters to values that, given as Python numbers, reach the lowering as
+    themselves (a program each) rather than traced: ``pow(x, 2)`` computes ``x * x``, as torch's CPU kernel does,
+    where a traced exponent costs XLA's general power function; other values stay traced (one program for all).
     """
 
     def register(fn: Callable) -> Callable:
-        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout, calls_kernels)
+        special = {name: frozenset(values) for name, values in (specialized or {}).items()}
+        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout, calls_kernels, special)
         for name in names:
             _check_unregistered(LOWERINGS, name, fn)
             LOWERINGS[name] = entry
@@ -302,13 +307,23 @@ def _is_default(value: Any, default: Any) -> bool:
     return value is default or (type(value) is type(default) and value == default)
 
 
-def _program_key(static_values: tuple, defaulted: tuple, views: tuple, order: tuple | None,
+def fixed_scalar(value: Any, default: Any, special: frozenset) -> bool | tuple:
+    """How a Scalar argument reaches its lowering: ``True`` at its schema default, ``(type, value)`` at one of the
+    values the lowering specializes (both fixed at trace time), ``False`` traced (see :func:`lowering`)."""
+    if _is_default(value, default):
+        return True
+    if special and (value.__class__ is int or value.__class__ is float) and value in special:
+        return value.__class__, value  # the type too: x ** 2 and x ** 2.0 differ for an integer x
+    return False
+
+
+def _program_key(static_values: tuple, fixed: tuple, views: tuple, order: tuple | None,
                  contiguity: tuple) -> tuple:
     """What a kernel's jitted program depends on beyond its inputs' shapes and dtypes (``compile_for``'s key)."""
     return (
         static_values,
         tuple(map(type, static_values)) if static_values else (),  # arange(4) and arange(4.0) differ
-        defaulted,
+        fixed,
         views,
         torch.get_default_dtype(),  # type promotion of Python floats depends on it
         order,
@@ -383,7 +398,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     tensor_slots = [
         (slot, inputs[slot], kind) for slot, kind in enumerate(kinds) if kind in (_TENSOR, _OPT_TENSOR, _TENSOR_LIST)
     ]
-    scalar_slots = [(slot, inputs[slot], defaults[inputs[slot]]) for slot, kind in enumerate(kinds) if kind == _SCALAR]
+    scalar_slots = [(slot, inputs[slot], defaults[inputs[slot]], entry.specialized.get(names[inputs[slot]], ()))
+                    for slot, kind in enumerate(kinds) if kind == _SCALAR]
     static_slots = [(slot, inputs[slot]) for slot, kind in enumerate(kinds) if kind == _STATIC]
     static_indices = [index for _, index in static_slots]
     destinations = [i for i in range(len(arguments)) if written[i]]
@@ -421,14 +437,16 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
     def compile_for(key: tuple) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
-        default are static too (no per-call transfer), other Scalars are traced."""
-        static_values, _, defaulted, views, _, order, _, contiguity = key
+        default or at a value the lowering specializes are static too (no per-call transfer), other Scalars are
+        traced (see :func:`fixed_scalar`)."""
+        static_values, _, fixed_scalars, views, _, order, _, contiguity = key
         layout = {"contiguous": contiguity} if entry.sees_layout else {}
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
-            slot for (slot, _, _), is_default in zip(scalar_slots, defaulted) if not is_default
+            slot for (slot, *_), state in zip(scalar_slots, fixed_scalars) if state is False
         ]
         fixed = [(slot, value) for (slot, _), value in zip(static_slots, static_values)] + [
-            (slot, default) for (slot, _, default), is_default in zip(scalar_slots, defaulted) if is_default
+            (slot, default if state is True else state[1])
+            for (slot, _, default, _), state in zip(scalar_slots, fixed_scalars) if state is not False
         ]
 
         def traced(*dynamic_values):
@@ -452,7 +470,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     # each is a list), and the schema's defaults of the Scalars and of the static arguments past the positional ones.
     plain = (not destinations and len(returns) == 1 and str(returns[0].type) == "Tensor" and not entry.calls_kernels)
     tensor_places = [(index, kind == _TENSOR_LIST) for _, index, kind in tensor_slots]
-    scalar_indices = [(index, default) for _, index, default in scalar_slots]
+    scalar_indices = [(index, default, special) for _, index, default, special in scalar_slots]
     all_defaulted = (True,) * len(scalar_slots)
 
     def record_plainly(args: tuple) -> torch.Tensor | None:
@@ -492,22 +510,24 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         device_index = chips[0]
         if chips.count(device_index) != len(chips):
             return None
-        defaulted, given = all_defaulted, None
-        for position, (index, default) in enumerate(scalar_indices):
-            if index < count and not _is_default(value := args[index], default):
-                if value.__class__ is not int and value.__class__ is not float or not dtypes.fits_every_dtype(value):
+        fixed, given = all_defaulted, None
+        for position, (index, default, special) in enumerate(scalar_indices):
+            if index < count and (state := fixed_scalar(value := args[index], default, special)) is not True:
+                if state is False and (value.__class__ is not int and value.__class__ is not float
+                                       or not dtypes.fits_every_dtype(value)):
                     return None  # a tensor, or a number the general path tests for overflow
                 if given is None:
-                    given, defaulted = [], list(all_defaulted)
-                given.append(value)
-                defaulted[position] = False
+                    given, fixed = [], list(all_defaulted)
+                if state is False:
+                    given.append(value)
+                fixed[position] = state
+        if given is not None:
+            fixed = tuple(fixed)
         if floats or given:  # as the general path passes them: weakly-typed arrays of the op's width
             wide = wide_scalars(arrays, list(args) + defaults[count:])
             for slot in floats:
                 arrays[slot] = _scalar_array(arrays[slot], wide)
-            if given:
-                arrays += [_scalar_array(value, wide) for value in given]
-                defaulted = tuple(defaulted)
+            arrays += [_scalar_array(value, wide) for value in given or ()]
         static_values = tuple([_frozen(args[index] if index < count else defaults[index])
                                for index in static_indices]) if static_indices else ()
         contiguity = tuple([None if i >= count or args[i] is None else args[i].is_contiguous()
@@ -515,7 +535,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         order = None
         if views and keeps_layout and first_tensor is not None and first_tensor < count:
             order = _memory_order(list(args) + defaults[count:], first_tensor, tensor_slots)
-        result, _ = call(compile_for(_program_key(static_values, defaulted, tuple(views), order, contiguity)), arrays,
+        result, _ = call(compile_for(_program_key(static_values, fixed, tuple(views), order, contiguity)), arrays,
                          device_index)
         return _wrap(result, device_index) if order is None else _wrap_in_order(result, order, device_index)
 
@@ -554,12 +574,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                 wide = wide_scalars(dynamic, bound)
                 for slot in reader.numbers:
                     dynamic[slot] = _scalar_array(dynamic[slot], wide)
-            defaulted = [] if scalar_slots else ()
-            for _, index, default in scalar_slots:
+            fixed = [] if scalar_slots else ()
+            for _, index, default, special in scalar_slots:
                 value = bound[index]
-                is_default = _is_default(value, default)
-                defaulted.append(is_default)
-                if not is_default:
+                state = fixed_scalar(value, default, special)
+                fixed.append(state)
+                if state is False:
                     if isinstance(value, torch.Tensor):
                         value = reader.read(value, (len(dynamic), -1))
                     elif value is not None:
@@ -583,7 +603,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     order = _memory_order(bound, first_tensor, tensor_slots)
             contiguity = tuple([None if bound[i] is None else bound[i].is_contiguous() for i in layout_indices]) \
                 if layout_indices else ()
-            key = _program_key(static_values, tuple(defaulted), tuple(reader.views) if reader.views else (), order,
+            key = _program_key(static_values, tuple(fixed), tuple(reader.views) if reader.views else (), order,
                                contiguity)
             recorded = reader.recording and not reader.mixed
             result, check = call(compile_for(key), dynamic, _device_of(reader, bound, device_arg) if recorded else None)

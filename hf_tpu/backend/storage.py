@@ -268,7 +268,15 @@ def beside(buffer: Buffer, value: Any) -> Any:
 
 
 def _zeros(numel: int, dtype: Any, device_index: int) -> Any:
+    if numel == 0:  # no elements to compute nor to write: one empty array serves every empty storage of a chip
+        return _empty_array(dtype, device_index)
     return _zeros_program(numel, dtype, device_index)()
+
+
+@functools.cache
+def _empty_array(dtype: Any, device_index: int) -> Any:
+    """The empty array of ``dtype`` on a chip (``torch.tensor([])`` as DynamicCache starts each layer with)."""
+    return _zeros_program(0, dtype, device_index)()
 
 
 # Per-geometry programs are bounded (least recently used evicted): a long run with ever new shapes

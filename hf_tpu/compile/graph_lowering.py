@@ -72,16 +72,15 @@ def _bound_arguments(node: fx.Node) -> list[tuple[torch._C.Argument, Any]]:
     return bound
 
 
-def _is_traced_scalar(argument: torch._C.Argument, value: Any, static: frozenset[str]) -> bool:
-    """Whether eager mode passes this Scalar to the lowering as an array (not at its default, not static)."""
+def _is_traced_scalar(argument: torch._C.Argument, value: Any, static: frozenset[str],
+                      specialized: dict[str, frozenset]) -> bool:
+    """Whether eager mode passes this Scalar to the lowering as an array (not at its default, not a value the
+    lowering specializes, not static: :func:`dispatch.fixed_scalar`)."""
     if argument.name in static or str(argument.type) not in _SCALAR_TYPES or value is None:
         return False
     if isinstance(value, fx.Node):  # a symbolic size: a Python number at trace time
         return False
-    if not argument.has_default_value():
-        return True
-    default = dispatch.schema_default(argument)
-    return not (value is default or (type(value) is type(default) and value == default))
+    return dispatch.fixed_scalar(value, dispatch.schema_default(argument), specialized.get(argument.name, ())) is False
 
 
 class _Step:
@@ -92,13 +91,15 @@ class _Step:
 
     __slots__ = ("node", "fn", "arguments", "scalar_slots", "dtype_slot", "layout")
 
-    def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None, sees_layout: bool = False) -> None:
+    def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None, sees_layout: bool = False,
+                 specialized: dict[str, frozenset] | None = None) -> None:
         bound = _bound_arguments(node)
         self.node, self.fn = node, fn
         self.arguments = [value for _, value in bound]
         self.dtype_slot = next((slot for slot, (argument, _) in enumerate(bound) if argument.name == "dtype"), None)
         self.scalar_slots = [] if static is None else [
-            slot for slot, (argument, value) in enumerate(bound) if _is_traced_scalar(argument, value, static)
+            slot for slot, (argument, value) in enumerate(bound)
+            if _is_traced_scalar(argument, value, static, specialized or {})
         ]
         self.layout = {"contiguous": _contiguity(bound)} if sees_layout else {}
 
@@ -201,7 +202,7 @@ def _step(node: fx.Node, random_nodes: list[fx.Node]) -> _Step | _PythonStep:
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
     if mutates:
         raise NotImplementedError(f"tpu graph mode: in-place operator {target.name()} in a functional graph")
-    return _Step(node, entry.fn, entry.static, entry.sees_layout)
+    return _Step(node, entry.fn, entry.static, entry.sees_layout, entry.specialized)
 
 
 def _is_tensor(node: fx.Node) -> bool:

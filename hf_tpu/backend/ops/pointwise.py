@@ -160,10 +160,25 @@ def _power(base, exponent):
     return jnp.where(exponent < 0, reciprocal, jnp.power(base, jnp.maximum(exponent, 0)))
 
 
+_POWERS_AS_CPU_COMPUTES_THEM = {
+    1: lambda x: x, 2: lambda x: x * x, 3: lambda x: x * x * x, -2: lambda x: 1 / (x * x),
+    0.5: jnp.sqrt, -0.5: lax.rsqrt, -1: lambda x: 1 / x,
+}
+"""The exponents torch's CPU kernel computes without its general power function (floating-point bases): the same
+arithmetic here, several times faster than XLA's power of a traced exponent and equal to CPU's results. (1: the
+backward of ``x ** 2`` is ``2 * x ** 1``.)"""
+
+
 @lowering("pow.Tensor_Tensor", "pow_.Tensor", "pow.Tensor_Tensor_out", "pow.Tensor_Scalar", "pow_.Scalar",
-          "pow.Tensor_Scalar_out", "pow.Scalar", "pow.Scalar_out")
+          "pow.Tensor_Scalar_out", "pow.Scalar", "pow.Scalar_out",
+          specialized={"exponent": tuple(_POWERS_AS_CPU_COMPUTES_THEM)})
 def power(self, exponent):
-    return _math(_power, result_type(self, exponent), self, exponent)
+    dtype = result_type(self, exponent)
+    if exponent.__class__ in (int, float) and jnp.issubdtype(dtype, jnp.floating):
+        form = _POWERS_AS_CPU_COMPUTES_THEM.get(exponent)
+        if form is not None:
+            return _math(form, dtype, self)
+    return _math(_power, dtype, self, exponent)
 
 
 @lowering("abs", "abs_", "abs.out")
