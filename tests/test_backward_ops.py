@@ -124,3 +124,16 @@ def test_sparse_embedding_bag_gradient_names_the_alternative():
                           sparse=True)
     with pytest.raises(NotImplementedError, match="sparse=False"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("sizes, dim, start, end, step", [
+    ((5, 7), 1, 0, 3, 1), ((5, 7), 1, -3, 2**63 - 1, 1), ((5, 7), 0, 1, 5, 2), ((5, 7), -1, 2, 100, 3),
+    ((5, 7), 1, 4, 2, 1), ((4,), 0, -100, -1, 2)])
+def test_slice_backward_is_the_gradient_at_the_sliced_positions(sizes, dim, start, end, step):
+    """slice_backward (a padding on tpu) equals CPU's zeros-and-copy for negative, clamped, strided and empty slices."""
+    taken = len(range(*slice(start, end, step).indices(sizes[dim])))
+    shape = list(sizes)
+    shape[dim] = taken
+    grad = torch.randn(shape)
+    expected = torch.ops.aten.slice_backward(grad, sizes, dim, start, end, step)
+    assert torch.equal(torch.ops.aten.slice_backward(grad.to("tpu"), sizes, dim, start, end, step).cpu(), expected)

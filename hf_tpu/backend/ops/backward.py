@@ -66,6 +66,21 @@ for _n in (1, 2, 3):
         lowering(f"{_op}_pad{_n}d_backward", f"{_op}_pad{_n}d_backward.grad_input")(_pad_backward(_mode))
 
 
+@lowering("slice_backward", "slice_backward.out")
+def slice_backward(grad_output, input_sizes, dim, start, end, step):
+    """The gradient of ``input[start:end:step]`` along ``dim`` (``input`` of ``input_sizes``): ``grad_output`` at the
+    positions the slice took, zeros between and around them: one padding, where torch's composite makes zeros and
+    copies into a view of them (two ops; the copy a scatter here)."""
+    dim %= len(input_sizes)
+    first, stop, step = slice(start, end, step).indices(input_sizes[dim])
+    taken = len(range(first, stop, step))
+    if taken == 0:
+        return jnp.zeros(input_sizes, grad_output.dtype)
+    config = [(0, 0, 0)] * len(input_sizes)
+    config[dim] = (first, input_sizes[dim] - first - (taken - 1) * step - 1, step - 1)
+    return lax.pad(grad_output, jnp.zeros((), grad_output.dtype), config)
+
+
 # --- upsampling ----------------------------------------------------------------------------------
 
 
