@@ -191,7 +191,7 @@ def test_integer_pow_and_sqrt_of_int():
 
 @pytest.mark.parametrize("exponent", [1, 2, 2.0, 3, -2, -1, -1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_powers_torch_computes_without_its_power_function_are_bit_identical(exponent, dtype):
+def test_powers_torch_computes_without_its_power_function_are_bit_identical(exponent, dtype, fresh_dynamo):
     """x ** 2 is x * x on CPU (and 3, -2, -1 likewise): the same arithmetic on tpu, eager and compiled (0.5 is
     ``sqrt`` on both, which XLA's CPU code rounds differently in the last bit now and then)."""
     base = (torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
