@@ -510,24 +510,20 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         device_index = chips[0]
         if chips.count(device_index) != len(chips):
             return None
-        fixed, given = all_defaulted, None
+        fixed, given = all_defaulted, []
         for position, (index, default, special) in enumerate(scalar_indices):
             if index < count and (state := fixed_scalar(value := args[index], default, special)) is not True:
-                if state is False and (value.__class__ is not int and value.__class__ is not float
-                                       or not dtypes.fits_every_dtype(value)):
-                    return None  # a tensor, or a number the general path tests for overflow
-                if given is None:
-                    given, fixed = [], list(all_defaulted)
                 if state is False:
+                    if value.__class__ is not int and value.__class__ is not float \
+                            or not dtypes.fits_every_dtype(value):
+                        return None  # a tensor, or a number the general path tests for overflow
                     given.append(value)
-                fixed[position] = state
-        if given is not None:
-            fixed = tuple(fixed)
+                fixed = (*fixed[:position], state, *fixed[position + 1:])
         if floats or given:  # as the general path passes them: weakly-typed arrays of the op's width
             wide = wide_scalars(arrays, list(args) + defaults[count:])
             for slot in floats:
                 arrays[slot] = _scalar_array(arrays[slot], wide)
-            arrays += [_scalar_array(value, wide) for value in given or ()]
+            arrays += [_scalar_array(value, wide) for value in given]
         static_values = tuple([_frozen(args[index] if index < count else defaults[index])
                                for index in static_indices]) if static_indices else ()
         contiguity = tuple([None if i >= count or args[i] is None else args[i].is_contiguous()
