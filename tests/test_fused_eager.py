@@ -207,14 +207,36 @@ def test_copies_of_computed_values_are_recorded_too():
     torch.tpu.set_eager_mode("fused")
     fused.reset_stats()
     results = copies_of_computed(*inputs)
-    # the transposed bfloat16 copy keeps the source's strides (as on CPU): a view write into its new storage
+    # the transposed bfloat16 copy keeps the source's strides (as on CPU): a view write into its new storage,
+    # whose zeros (it was never written) are recorded too
     assert [op.name for op in fused._chain.ops] == ["view read", "view write", "view read", "view read", "cast",
-                                                    "view write", "view read"]
+                                                    "zeros", "view write", "view read"]
     assert fused.stats()["flushes"] == 0
     actual = [t.cpu() for t in results]
     assert_bitwise(actual, strict)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e)
+
+
+def fills_of_new_storages():
+    filled = torch.empty(3, 4, device="tpu").fill_(2.0)
+    written = torch.empty(4, 4, device="tpu")
+    written[1:3] = 1.0  # rows 0 and 3 keep the zeros a tpu storage holds until it is written
+    return [filled, written]
+
+
+def test_a_never_written_storage_read_in_fused_mode_records_its_zeros():
+    """A ``fill_`` or a write through a view of a new ``empty`` tensor reads its storage: in fused mode the zeros it
+    holds are recorded in the chain (no program runs at once), with strict mode's results."""
+    strict = [t.cpu() for t in in_mode("strict", fills_of_new_storages)]
+    torch.tpu.synchronize()
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    results = fills_of_new_storages()
+    names = [op.name for op in fused._chain.ops]
+    # three storages never written: the two tensors and the one torch fills with the 1.0 it copies from
+    assert names.count("zeros") == 3 and fused.stats()["flushes"] == 0, names
+    assert_bitwise([t.cpu() for t in results], strict)
 
 
 def tiny_training_step(model, ids):
@@ -585,13 +607,13 @@ def test_without_isolation_chains_keep_each_ops_rounding(monkeypatch):
 
 
 def common_calls(x, w, mask):
-    """Calls of the common kind (tensors, lists of them, views too, Python numbers, Scalars at their defaults or small
-    numbers; torch hands arguments that are not keyword-only over by position) and calls that are not (a
-    keyword-only argument given, a Scalar tested for overflow, a CPU scalar tensor)."""
+    """Calls of the common kind (tensors, lists of them, views too, Python numbers, Scalars at their defaults or
+    numbers the op's dtypes hold; torch hands arguments that are not keyword-only over by position) and calls that
+    are not (a keyword-only argument given, a CPU scalar tensor)."""
     plain = [x + w, torch.nn.functional.linear(x, w, None), x.sum(1), torch.where(mask, x, w), x.softmax(-1),
              x[1:].sum(0), x.sum(dim=1, keepdim=True), x.t() * w, x * 2.5, x[1:] + 1, x.pow(2), torch.lerp(x, w, 0.25),
-             torch.cat([x, w]), torch.stack([x.t(), w[1:].sum(0).expand(4, 4)])]
-    other = [torch.add(x, w, alpha=2), x.pow(1000), x * torch.tensor(2.0)]
+             torch.cat([x, w]), torch.stack([x.t(), w[1:].sum(0).expand(4, 4)]), x.pow(1000), x.mul(-0.5)]
+    other = [torch.add(x, w, alpha=2), x * torch.tensor(2.0)]
     return plain + other
 
 
@@ -612,10 +634,24 @@ def test_common_calls_in_fused_mode_reuse_strict_modes_programs_and_results(monk
 
     monkeypatch.setattr(fused, "record", spy)
     fused_results = in_mode("fused", common_calls, *inputs)
-    assert recorded_by == ["record_plainly"] * 15 + ["run"] * 3, recorded_by
+    assert recorded_by == ["record_plainly"] * 17 + ["run"] * 2, recorded_by
     assert dispatch.eager_program_count() == programs
     assert_bitwise(fused_results, strict)
     assert_bitwise(fused_results, common_calls(x, w, x > 0))
+
+
+def test_scalars_a_dtype_cannot_hold_raise_cpus_error_in_fused_mode():
+    """A number past the plain path's quick test that one of the op's dtypes cannot hold takes the general path,
+    which raises CPU's error, as strict mode does."""
+    small = torch.arange(4, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="cannot be converted") as on_cpu:
+        torch.clamp(small, max=100000)
+    for mode in ("strict", "fused"):
+        torch.tpu.set_eager_mode(mode)
+        with pytest.raises(RuntimeError) as on_tpu:
+            torch.clamp(small.to("tpu"), max=100000)
+        assert str(on_tpu.value) == str(on_cpu.value)
+        assert torch.equal(torch.clamp(small.to("tpu"), max=-100).cpu(), torch.clamp(small, max=-100))
 
 
 def test_tracing_errors_are_raised_by_the_op_itself():

@@ -118,12 +118,19 @@ class Buffer:
         return self.array
 
     def current(self) -> Any:
-        """What an op reads: the array, or in fused eager mode the pending value not computed yet."""
+        """What an op reads: the array, or in fused eager mode the pending value not computed yet (for a storage
+        never written, its zeros are recorded: a ``fill_`` or a write through a view of a new ``empty`` tensor
+        then costs no program run of its own, and XLA drops zeros that nothing reads)."""
         array = self.array
         if array is None:
             pending = self.pending
-            if pending.__class__ is fused.Lazy and pending.array is None and fused.ON:
-                return pending
+            if fused.ON:
+                if pending.__class__ is fused.Lazy and pending.array is None:
+                    return pending
+                if pending is None and self.numel and self.sharding is None:
+                    zeros = _zeros_program(self.numel, dtypes.to_jax(self.dtype), self.device_index)
+                    self.set(fused.apply(zeros, "zeros", self.device_index))
+                    return self.pending
             array = self.materialize()
         return array
 
