@@ -477,8 +477,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         """Fused eager mode's common call, recorded with less bookkeeping than the general path below, with the
         same program and the same result: positional arguments only, each tensor argument (or list item) a tpu
         tensor on one chip (the same for all; a view is read as the general path reads it, and a pointwise op's
-        result keeps its first input's layout as there) or a Python number, Scalars at their defaults or numbers of
-        int8's range, one tensor returned. ``None`` for any other call, which the general path takes."""
+        result keeps its first input's layout as there) or a Python number, Scalars at their defaults or numbers
+        the op's dtypes hold, one tensor returned. ``None`` for any other call, which the general path takes."""
         count = len(args)
         arrays, views, floats, chips = [], [], [], []
         for index, is_list in tensor_places:
