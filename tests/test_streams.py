@@ -495,6 +495,19 @@ try:
 except RuntimeError as error:
     report["mismatch"] = str(error)
 torch.tpu.synchronize(1)
+# torch.Event(device="tpu:1") records tpu:1's current stream, where a non_blocking copy from tpu:1 into pinned
+# memory is queued, whichever chip is current (transformers' deferred stop check reads its flag so)
+flags = []
+for mode in ("strict", "fused"):
+    torch.tpu.set_eager_mode(mode)
+    flag = torch.zeros((), dtype=torch.bool).pin_memory()
+    done = torch.Event(device="tpu:1")
+    flag.copy_(torch.zeros(4, dtype=torch.long, device="tpu:1").max() == 0, non_blocking=True)
+    done.record()
+    done.synchronize()
+    flags.append(bool(flag))
+torch.tpu.set_eager_mode("strict")
+report["named chip"] = flags
 print(json.dumps(report))
 """
 
@@ -509,6 +522,7 @@ def test_streams_on_several_chips():
     assert report["values"] == ["tpu:1", [0.0, 2.0, 4.0, 6.0]]
     assert report["defaults"] == [1, 0]
     assert report["mismatch"] == "Event device tpu:1 does not match recording stream's device tpu:0."
+    assert report["named chip"] == [True, True]
 
 
 # diffusers' streamed group offloading -----------------------------------------------------------------------

@@ -268,6 +268,7 @@ class Event(torch._C.Event):
         event.enable_timing, event.blocking, event.interprocess = enable_timing, blocking, interprocess
         event._markers = ()
         event._device_index = None  # set by the first record
+        event._named_chip = None  # the chip torch.Event(device="tpu:N") names: its current stream records
         event._completion = None
         return event
 
@@ -277,8 +278,9 @@ class Event(torch._C.Event):
         return f"<torch.tpu.Event recorded on tpu:{self._device_index}>"
 
     def record(self, stream: Stream | None = None) -> None:
-        """Records the work queued so far on ``stream`` (the current stream if None)."""
-        stream = current_stream() if stream is None else _resolve(stream)
+        """Records the work queued so far on ``stream`` (if None: the current stream of the chip the event was
+        made for, else of the current chip)."""
+        stream = current_stream(self._named_chip) if stream is None else _resolve(stream)
         if self._device_index not in (None, stream.device_index):
             raise RuntimeError(
                 f"Event device tpu:{self._device_index} does not match recording stream's device "
