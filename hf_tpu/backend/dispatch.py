@@ -510,13 +510,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         device_index = chips[0]
         if chips.count(device_index) != len(chips):
             return None
-        fixed, given, unsure = all_defaulted, [], False
+        fixed, given = all_defaulted, []
         for position, (index, default, special) in enumerate(scalar_indices):
             if index < count and (state := fixed_scalar(value := args[index], default, special)) is not True:
                 if state is False:
                     if value.__class__ is not int and value.__class__ is not float:
                         return None  # a tensor: the general path reads it
-                    unsure = unsure or not dtypes.fits_every_dtype(value)
                     given.append(value)
                 fixed = (*fixed[:position], state, *fixed[position + 1:])
         if floats or given:  # as the general path passes them: weakly-typed arrays of the op's width
@@ -528,8 +527,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             # A number past the quick test is checked against the dtypes the op computes in (those of all its
             # operands: at least those the general path checks); one that may overflow takes the general path,
             # which raises CPU's error.
-            if unsure and any(not dtypes.fits_every_dtype(value) and may_overflow(value, arrays, bound)
-                              for value in given):
+            if any(not dtypes.fits_every_dtype(value) and may_overflow(value, arrays, bound) for value in given):
                 return None
         static_values = tuple([_frozen(args[index] if index < count else defaults[index])
                                for index in static_indices]) if static_indices else ()

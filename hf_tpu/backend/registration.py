@@ -223,10 +223,8 @@ def _route_streams_and_events(tpu: Any) -> None:
         def __new__(cls, device: Any = None, *, enable_timing: bool = False, blocking: bool = False,
                     interprocess: bool = False) -> Any:
             if _names_tpu(device):
-                event = tpu.Event(enable_timing, blocking, interprocess)
-                if device is not None:  # a chip named: it records on that chip's streams, as CUDA's does
-                    event._device_index = event._named_chip = torch.device(device).index
-                return event
+                return tpu.Event(enable_timing, blocking, interprocess,
+                                 chip=None if device is None else torch.device(device).index)
             return event_type(device, enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
     Stream.__module__, Stream.__qualname__ = "torch", "Stream"

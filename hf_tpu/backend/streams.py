@@ -263,12 +263,14 @@ class Event(torch._C.Event):
     ``interprocess`` are accepted for compatibility and have no effect.
     """
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Event:
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, *,
+                chip: int | None = None) -> Event:
+        """``chip``: the chip the event is for (``torch.Event(device="tpu:N")``): ``record()`` records its current
+        stream, as CUDA's does for a named device; without it, the first record's stream sets the chip."""
         event = torch._C.Event.__new__(cls, device="tpu")
         event.enable_timing, event.blocking, event.interprocess = enable_timing, blocking, interprocess
         event._markers = ()
-        event._device_index = None  # set by the first record
-        event._named_chip = None  # the chip torch.Event(device="tpu:N") names: its current stream records
+        event._device_index = event._named_chip = chip
         event._completion = None
         return event
 
