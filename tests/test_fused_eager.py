@@ -8,6 +8,7 @@ import warnings
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -379,8 +380,21 @@ def test_tiny_llama_training_steps_reach_a_steady_program_cache():
     losses, counters = run("fused")
     assert_bitwise([torch.tensor(losses)], [torch.tensor(strict_losses)])
     assert_steady_after(counters, warmup=3)
-    # one chain per step, run by loss.item(): the gradients' and the optimizer's copies are recorded too
-    assert [later["flushes"] - earlier["flushes"] for earlier, later in zip(counters, counters[1:])] == [1] * 7
+    # two chains per step: the forward and backward, run where the backward pass ends; the optimizer's step (its
+    # copies too), run by loss.item()
+    assert [later["flushes"] - earlier["flushes"] for earlier, later in zip(counters, counters[1:])] == [2] * 7
+
+
+def test_a_backward_pass_ends_its_chain():
+    """The ops recorded up to the end of a backward pass run then (asynchronously), not at the next sync."""
+    weight = torch.ones(3, device="tpu", requires_grad=True)
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    (weight * 2).sum().backward()
+    assert fused.stats()["pending"] == 0 and fused.stats()["flushes"] == 1
+    (gradient,) = torch.autograd.grad((weight * weight).sum(), weight)
+    assert fused.stats()["pending"] == 0 and fused.stats()["flushes"] == 2
+    assert weight.grad.tolist() == [2.0] * 3 and gradient.tolist() == [2.0] * 3
 
 
 def test_the_program_cache_is_bounded(monkeypatch):
@@ -422,14 +436,29 @@ def test_the_chain_is_bounded(monkeypatch, bound, value, size):
     """At most 4 ops pending: 4 ops, or 4 ops of 30 elements (120 >= 100); then, where the loop body starts
     again, from half the bound on: chains of 4 + 2 + 2 + 2 ran, 2 ops pending."""
     monkeypatch.setattr(fused, bound, value)
-    x = torch.zeros(size, device="tpu")
+    expected = x = torch.zeros(size, device="tpu")
+    for _ in range(12):
+        expected = expected.cos()  # not fusible (see the next test): counts its elements as work
+    torch.tpu.set_eager_mode("fused")
+    fused.reset_stats()
+    for _ in range(12):
+        x = x.cos()
+        assert fused.stats()["pending"] <= 4
+    assert fused.stats()["flushes"] == 4 and fused.stats()["pending"] == 2
+    assert torch.equal(x.cpu(), expected.cpu())
+
+
+def test_fusible_ops_are_not_work(monkeypatch):
+    """Ops XLA fuses into one loop (:func:`fused._fusible`) do not count towards MAX_WORK: their chain is cut
+    at MAX_OPS only."""
+    monkeypatch.setattr(fused, "MAX_WORK", 100)
+    x = torch.zeros(30, device="tpu")
     torch.tpu.set_eager_mode("fused")
     fused.reset_stats()
     for _ in range(12):
         x = x + 1
-        assert fused.stats()["pending"] <= 4
-    assert fused.stats()["flushes"] == 4 and fused.stats()["pending"] == 2
-    assert x.tolist() == [12.0] * size
+    assert fused.stats()["flushes"] == 0 and fused.stats()["pending"] == 12
+    assert x.tolist() == [12.0] * 30
 
 
 def test_a_loop_without_sync_points_is_cut_where_its_body_starts_again(monkeypatch):
@@ -560,7 +589,7 @@ def test_ops_with_no_floating_point_value_run_unconditioned_in_a_chain():
     assert not exact(jax.make_jaxpr(lambda a: inner(a) + 1)(ints).jaxpr)  # floats inside an inner jaxpr
 
     def bookkeeping(logits, tokens, finished):
-        next_tokens = torch.argmax(logits * 1.5 + 0.25, dim=-1)  # float ops: isolated
+        next_tokens = torch.argmax(logits * 1.5 + 0.25, dim=-1)  # float ops: isolated or pinned
         tokens = torch.cat([tokens, next_tokens[:, None]], dim=-1)
         stop = torch.full((tokens.shape[0],), tokens.shape[-1] >= 6, device=tokens.device, dtype=torch.bool)
         finished = finished | (next_tokens == 3) | stop
@@ -580,6 +609,45 @@ def test_ops_with_no_floating_point_value_run_unconditioned_in_a_chain():
     assert fused.stats()["program_misses"] == before + 1  # one chain, one program
     assert_bitwise(results, strict)
     assert_bitwise(results, bookkeeping(*inputs))
+
+
+def test_correctly_rounded_ops_are_fusible_and_others_are_not():
+    fusible, floats = fused._fusible, jax.ShapeDtypeStruct((4, 3), np.float32)
+    for fn in (lambda a: a * 2 + 1, lambda a: a + 0.25 * (3 - a), lambda a: jnp.where(a > 0, jnp.sqrt(a), a / 3),
+               lambda a: jnp.concatenate([a, -a]).T.astype(jnp.bfloat16), lambda a: jax.jit(lambda b: b * b)(a)):
+        assert fusible(jax.make_jaxpr(fn)(floats).jaxpr)
+    for fn in (jnp.exp, jnp.tanh, jax.nn.sigmoid, jax.lax.rsqrt, lambda a: a ** 1.5, lambda a: a.sum(0),
+               lambda a: a @ a.T, lambda a: a.astype(np.complex64) * 1j, lambda a: jax.jit(jnp.log)(a)):
+        assert not fusible(jax.make_jaxpr(fn)(floats).jaxpr)
+
+
+def fusible_chain(a, b, c):
+    """Correctly rounded ops only, which a fused loop could still get wrong: products and sums it could contract
+    into multiply-adds, a product and a quotient it could cancel, bfloat16 results it could keep in float32."""
+    return [a * b + c, (a * 3) / 3, a * b - c * b, torch.addcmul(c, a, b) * 0.1 + a,
+            (a.bfloat16() * 1.1 + 0.3).float() * b, torch.where(a > b, a.abs().sqrt(), c / b)]
+
+
+def test_fusible_ops_run_unconditioned_and_give_strict_results_bit_for_bit():
+    """Ops of correctly rounded arithmetic are not wrapped in conditionals: XLA fuses them into one loop, and their
+    results are pinned, so that no rounding changes (here: a quarter of the elements of a * b + c would change
+    without, their multiply-add contracted)."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, 1000) for _ in range(3)]
+    strict = in_mode("strict", fusible_chain, *[t.to("tpu") for t in inputs])
+    torch.tpu.set_eager_mode("fused")
+    before = set(fused._programs)
+    pending = fusible_chain(*[t.to("tpu") for t in inputs])
+    assert all(op.trace.fusible and op.trace.work == 0 for op in fused._chain.ops)
+    results = [t.cpu() for t in pending]
+    (key, program), = [(key, program) for key, program in fused._programs.items() if key not in before]
+    arguments = [jax.ShapeDtypeStruct(*signature[:2], weak_type=signature[2]) if len(signature) == 3 else
+                 signature[0](1) for signature in key[2]]
+    assert "stablehlo.case" not in program.func.lower(*program.args, *arguments).as_text()
+    assert_bitwise(results, strict)
+    for position, (actual, expected) in enumerate(zip(results, fusible_chain(*inputs))):
+        tolerance = 2e-2 if position == 4 else 1e-5  # bfloat16 arithmetic in the fifth
+        torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_without_isolation_chains_keep_each_ops_rounding(monkeypatch):

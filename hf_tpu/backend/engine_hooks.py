@@ -90,20 +90,26 @@ def _check_autograd_roots(tensors: Any) -> None:
             )
 
 
-def _wrap_autograd_entry_points() -> None:
+def _wrap_autograd_entry_points(ended: Callable[[], None]) -> None:
     """``backward``/``grad`` on ``tpu:k`` (k > 0) or on cuda would fail an internal assert of the engine: say why
-    instead; and raise hook exceptions that the device guard kept (see the module docstring)."""
+    instead; raise hook exceptions that the device guard kept (see the module docstring); and call ``ended`` when
+    a backward pass ends (fused eager mode runs the ops recorded: the gradients are computed while the host
+    records what reads them, an optimizer's step, not after it)."""
     backward, grad = torch.autograd.backward, torch.autograd.grad
     checked_run_backward = _raise_kept_errors(backward)
     checked_run_grad = _raise_kept_errors(grad)
 
     def checked_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         _check_autograd_roots(tensors)
-        return checked_run_backward(tensors, *args, **kwargs)
+        result = checked_run_backward(tensors, *args, **kwargs)
+        ended()
+        return result
 
     def checked_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
         _check_autograd_roots(outputs)
-        return checked_run_grad(outputs, *args, **kwargs)
+        result = checked_run_grad(outputs, *args, **kwargs)
+        ended()
+        return result
 
     checked_backward.__doc__, checked_grad.__doc__ = backward.__doc__, grad.__doc__
     checked_backward.__wrapped__, checked_grad.__wrapped__ = backward, grad
@@ -113,4 +119,6 @@ def _wrap_autograd_entry_points() -> None:
 def install() -> None:
     torch._C._acc.register_python_privateuseone_hook(Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(DeviceGuard())
-    _wrap_autograd_entry_points()
+    from . import fused  # imported once the device is named (its storages name tpu devices)
+
+    _wrap_autograd_entry_points(ended=fused.flush)

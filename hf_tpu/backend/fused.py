@@ -11,7 +11,8 @@
   collectives, compiled graphs), ``torch.tpu.synchronize()``, a change of the current stream and a read of a
   stream's or an event's work (``query``, ``synchronize``; ``record`` on a non-default stream: one recorded on the
   default stream holds a :class:`Recorded` marker instead), a host sync of the deferred checks, an op on
-  another chip or across chips (sharded tensors run strict), or :data:`MAX_OPS` ops or :data:`MAX_WORK` result
+  another chip or across chips (sharded tensors run strict), the end of a backward pass (its gradients are
+  computed while the host records the optimizer's step), or :data:`MAX_OPS` ops or :data:`MAX_WORK` result
   elements. Programs are cached by the chain's structure (the programs, which inputs feed which op, the inputs'
   shapes and dtypes, which results are still referenced), least recently used evicted past
   :data:`PROGRAM_CACHE_SIZE`, so a loop body recorded again runs the program built for it the first time;
@@ -58,9 +59,10 @@ MAX_OPS = 1024
 """A chain this long runs before more is recorded (bounds the inputs it keeps alive and its compile time); one
 that follows a chain cut so may run from half as long on, where a loop body starts again (see :func:`_ends_before`)."""
 
-MAX_WORK = 1 << 20
+MAX_WORK = 1 << 18
 """A chain whose results hold this many elements runs before more is recorded (as for :data:`MAX_OPS`, one that
-follows a chain cut so may run from half as many on). A chain's run is dispatched asynchronously, so the chip
+follows a chain cut so may run from half as many on); results of fusible ops (:func:`_fusible`) do not count,
+XLA computes them in the loops of their neighbours. A chain's run is dispatched asynchronously, so the chip
 computes it while the host records the next one, as strict mode's per-op dispatch overlaps: a tiny Llama forward
 takes 0.7x the time of one chain ending at the sync point, on a 2-core host (benchmarks/fused_eager.py); chains
 of cheap ops run rarely, each run costing some host time."""
@@ -253,11 +255,13 @@ def _unchecked(fn: Callable) -> Callable:
 class _Trace:
     """An op's program traced for one input signature: ``jaxpr`` (closed, of the flattened inputs), the structure
     of its result (``None`` for one array), per result leaf (shape, dtype, signature, size), ``check``: whether the
-    last output is a check; ``exact``: no value in it is a floating-point one (see :func:`_build`); ``may_fail``: it
+    last output is a check; ``exact``: no value in it is a floating-point one; ``fusible``: its floats are only
+    rounded correctly, moved and compared (both: see :func:`_build`); ``work``: its results' elements, none for a
+    fusible op (see :data:`MAX_WORK`); ``may_fail``: it
     calls out of XLA's own ops (see :func:`_may_fail`), so an op of it keeps the line that recorded it; ``alone``: the
     jaxpr jitted by itself, made when an op of this trace first runs alone."""
 
-    __slots__ = ("jaxpr", "tree", "leaves", "check", "work", "exact", "may_fail", "alone")
+    __slots__ = ("jaxpr", "tree", "leaves", "check", "work", "exact", "fusible", "may_fail", "alone")
 
 
 def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) -> _Trace:
@@ -279,8 +283,9 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     found.tree = None if jax.tree_util.treedef_is_leaf(tree) and leaves else tree
     found.leaves = tuple((leaf.shape, leaf.dtype, (leaf.shape, leaf.dtype, leaf.weak_type), int(np.prod(leaf.shape)))
                          for leaf in leaves)
-    found.work = sum(leaf[3] for leaf in found.leaves)
     found.exact = _exact(traced.jaxpr.jaxpr)
+    found.fusible = _fusible(traced.jaxpr.jaxpr)
+    found.work = 0 if found.fusible else sum(leaf[3] for leaf in found.leaves)
     found.may_fail = _may_fail(traced.jaxpr.jaxpr)
     _traces[fn, signature] = found
     if len(_traces) > storage.PROGRAMS_PER_CACHE:
@@ -292,9 +297,36 @@ def _exact(jaxpr: Any) -> bool:
     """Whether no value of ``jaxpr`` (its inputs, constants, outputs, every equation's results, and those of the
     jaxprs inside its equations) is a floating-point one: integer and boolean arithmetic is exact, however XLA
     fuses it with its neighbours."""
-    values = (*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *(var for eqn in jaxpr.eqns for var in eqn.outvars))
-    return not any(np.issubdtype(value.aval.dtype, np.inexact) for value in values) and all(
+    return not any(np.issubdtype(value.aval.dtype, np.inexact) for value in _values(jaxpr)) and all(
         _exact(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
+
+
+_CORRECTLY_ROUNDED = frozenset({
+    # IEEE 754's correctly rounded operations and those exact by nature (selections, comparisons, conversions,
+    # moving elements): each result is one value, however the loop that computes it is compiled and fused
+    "add", "sub", "mul", "div", "sqrt", "rem", "neg", "abs", "sign", "max", "min", "clamp", "floor", "ceil", "round",
+    "nextafter", "integer_pow", "square", "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "select_n", "convert_element_type", "copy", "copy_p", "stop_gradient", "iota", "broadcast_in_dim", "reshape",
+    "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad",
+    "rev",
+    # calls of jaxprs, whose equations are looked at in turn
+    "pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"})
+
+
+def _fusible(jaxpr: Any) -> bool:
+    """Whether every equation of ``jaxpr`` (and of the jaxprs inside them) is a correctly rounded operation
+    (:data:`_CORRECTLY_ROUNDED`) and no value of it is a complex one: an op of such a jaxpr gives strict mode's
+    bits whatever XLA fuses it with, once its float inputs and results are values its neighbours cannot be
+    rewritten with (:func:`_pinned`). Transcendental functions are not: XLA's CPU compiler evaluates them with
+    other code in a loop of several ops than in a loop of one (``exp``, ``log``, ``erf`` differ in the last bit),
+    nor are reductions, whose order of summation depends on the loop; nor complex multiplication, a multiply-add."""
+    return all(eqn.primitive.name in _CORRECTLY_ROUNDED for eqn in jaxpr.eqns) and not any(
+        np.issubdtype(value.aval.dtype, np.complexfloating) for value in _values(jaxpr)) and all(
+        _fusible(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
+
+
+def _values(jaxpr: Any) -> tuple:
+    return (*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars, *(var for eqn in jaxpr.eqns for var in eqn.outvars))
 
 
 _CALLS_OUT = ("callback", "pallas_call", "custom_call", "ffi")  # in the names of primitives that leave XLA's own ops
@@ -531,7 +563,12 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
     one op's ``x * y`` and the next one's ``+ z`` into a fused multiply-add, which rounds differently), and the
     results are those of strict mode, bit for bit. An op with no floating-point value (:func:`_exact`: integer and
     boolean bookkeeping, such as ``generate``'s token and stopping tensors) runs as it is: fusing it cannot change
-    a bit, and a conditional costs XLA about four times the compile time of what it holds.
+    a bit, and a conditional costs XLA about four times the compile time of what it holds. Neither does an op
+    whose floats are only rounded correctly, compared and moved (:func:`_fusible`: additions, products, quotients,
+    square roots, selections, casts, concatenations: an optimizer's update, a residual add), once its float
+    results are pinned (:func:`_pinned`) so that no arithmetic of its neighbours can be contracted with them: such
+    ops run as they are, and XLA fuses consecutive ones into one loop (AdamW's update on all parameters: one pass
+    over the memory instead of one per op).
 
     On a GPU no op is isolated (:func:`_isolating`): XLA's GPU runtime runs a conditional by copying its predicate
     to the host and waiting for the device, which would make every float op of a chain a round trip. There XLA
@@ -547,8 +584,12 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
         found = []
         for trace, refs, first in plan:
             args = jax.tree_util.tree_leaves(_resolve(refs, values))
-            outputs = _isolated(gate, trace.jaxpr, args) if isolating and not trace.exact else \
-                jax.extend.core.jaxpr_as_fun(trace.jaxpr)(*args)
+            if not isolating or trace.exact:
+                outputs = jax.extend.core.jaxpr_as_fun(trace.jaxpr)(*args)
+            elif trace.fusible:
+                outputs = _pinned(gate, trace.jaxpr, jax.extend.core.jaxpr_as_fun(trace.jaxpr)(*args))
+            else:
+                outputs = _isolated(gate, trace.jaxpr, args)
             if trace.check:
                 found.append(outputs.pop())
             values[first:first + len(outputs)] = outputs
@@ -569,13 +610,35 @@ def _isolated(gate: Any, jaxpr: Any, args: list) -> list:
     :func:`_build`); the other branch gives zeros. Branches must give the same types, so weakly typed outputs (of
     Python numbers alone) leave the conditional strongly typed and are made weak again after it (conversions to
     their own dtype: no-ops in HLO)."""
-    from jax._src.lax import lax as lax_internal  # weakly-typed conversion: no public API makes one
-
     avals = jaxpr.out_avals
     run = jax.extend.core.jaxpr_as_fun(jaxpr)
     outputs = jax.lax.cond(
         gate, lambda *a: [jax.lax.convert_element_type(x, x.dtype) for x in run(*a)],
         lambda *_: [jax.numpy.zeros(aval.shape, aval.dtype) for aval in avals], *args)
+    return _weak_again(outputs, avals)
+
+
+def _pinned(gate: Any, jaxpr: Any, outputs: list) -> list:
+    """Traced: the outputs of ``jaxpr`` with each float one replaced by its bits or'ed with zero bits XLA cannot
+    know (derived from ``gate``), seen as floats again: the same value, which XLA cannot rewrite across (no multiply
+    before it contracted with an addition after it into one rounding, no ``x * 2 / 2`` simplified), and which is
+    rounded to its dtype (no excess precision kept across it); elementwise, so fused with both sides."""
+    pinned = []
+    for value in outputs:
+        if np.issubdtype(value.dtype, np.floating):
+            unsigned = np.dtype(f"uint{8 * value.dtype.itemsize}")
+            zero = jax.lax.convert_element_type(jax.lax.bitwise_not(gate), unsigned)
+            bits = jax.lax.bitcast_convert_type(value, unsigned)
+            value = jax.lax.bitcast_convert_type(jax.lax.bitwise_or(bits, jax.lax.broadcast(zero, bits.shape)),
+                                                 value.dtype)
+        pinned.append(value)
+    return _weak_again(pinned, jaxpr.out_avals)
+
+
+def _weak_again(outputs: list, avals: list) -> list:
+    """Traced: ``outputs`` made weakly typed where ``avals`` are (conversions to their own dtype: no-ops in HLO)."""
+    from jax._src.lax import lax as lax_internal  # weakly-typed conversion: no public API makes one
+
     return [lax_internal._convert_element_type(x, aval.dtype, weak_type=True) if aval.weak_type else x
             for x, aval in zip(outputs, avals)]
 
