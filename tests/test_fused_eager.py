@@ -584,6 +584,8 @@ def test_ops_with_no_floating_point_value_run_unconditioned_in_a_chain():
     assert exact(jax.make_jaxpr(lambda a: (a > 1) | (a == 0))(ints).jaxpr)
     floats = jax.ShapeDtypeStruct((1, 3), np.float32)
     assert not exact(jax.make_jaxpr(lambda a: jax.numpy.argmax(a, -1))(floats).jaxpr)  # reads floats
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):  # floats, though not numpy's
+        assert not exact(jax.make_jaxpr(lambda a: a.astype(np.float32) * 2)(jax.ShapeDtypeStruct((3,), dtype)).jaxpr)
     assert not exact(jax.make_jaxpr(lambda a: (a * 0.5).astype(np.int32))(ints).jaxpr)  # floats inside
     inner = jax.jit(lambda a: (a.astype(np.float32) + 1).astype(np.int32))
     assert not exact(jax.make_jaxpr(lambda a: inner(a) + 1)(ints).jaxpr)  # floats inside an inner jaxpr

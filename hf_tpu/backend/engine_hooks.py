@@ -26,6 +26,11 @@ _raise_pending = ctypes.pythonapi.PyErr_Occurred
 _raise_pending.restype = ctypes.c_void_p
 _raise_pending.argtypes = ()
 
+backward_ended: Callable[[], None] = lambda: None
+"""Called when a backward pass ends: fused eager mode runs the ops recorded then (``fused.flush``, set when the
+backend's ops are loaded), so that the gradients are computed while the host records what reads them (an
+optimizer's step), not after it."""
+
 _kept_lock = threading.Lock()
 _kept: list[BaseException] = []  # at most one: the newest exception taken off a thread
 
@@ -90,11 +95,10 @@ def _check_autograd_roots(tensors: Any) -> None:
             )
 
 
-def _wrap_autograd_entry_points(ended: Callable[[], None]) -> None:
+def _wrap_autograd_entry_points() -> None:
     """``backward``/``grad`` on ``tpu:k`` (k > 0) or on cuda would fail an internal assert of the engine: say why
-    instead; raise hook exceptions that the device guard kept (see the module docstring); and call ``ended`` when
-    a backward pass ends (fused eager mode runs the ops recorded: the gradients are computed while the host
-    records what reads them, an optimizer's step, not after it)."""
+    instead; raise hook exceptions that the device guard kept (see the module docstring); and call
+    :data:`backward_ended` when a backward pass ends."""
     backward, grad = torch.autograd.backward, torch.autograd.grad
     checked_run_backward = _raise_kept_errors(backward)
     checked_run_grad = _raise_kept_errors(grad)
@@ -102,13 +106,13 @@ def _wrap_autograd_entry_points(ended: Callable[[], None]) -> None:
     def checked_backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         _check_autograd_roots(tensors)
         result = checked_run_backward(tensors, *args, **kwargs)
-        ended()
+        backward_ended()
         return result
 
     def checked_grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
         _check_autograd_roots(outputs)
         result = checked_run_grad(outputs, *args, **kwargs)
-        ended()
+        backward_ended()
         return result
 
     checked_backward.__doc__, checked_grad.__doc__ = backward.__doc__, grad.__doc__
@@ -119,6 +123,4 @@ def _wrap_autograd_entry_points(ended: Callable[[], None]) -> None:
 def install() -> None:
     torch._C._acc.register_python_privateuseone_hook(Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(DeviceGuard())
-    from . import fused  # imported once the device is named (its storages name tpu devices)
-
-    _wrap_autograd_entry_points(ended=fused.flush)
+    _wrap_autograd_entry_points()

@@ -47,7 +47,7 @@ import jax.extend
 import numpy as np
 import torch
 
-from . import checks, runtime, storage, tpu_lowering
+from . import checks, engine_hooks, runtime, storage, tpu_lowering
 from .out_of_memory import raise_if_out_of_memory
 
 MODES = runtime.EAGER_MODES
@@ -297,7 +297,7 @@ def _exact(jaxpr: Any) -> bool:
     """Whether no value of ``jaxpr`` (its inputs, constants, outputs, every equation's results, and those of the
     jaxprs inside its equations) is a floating-point one: integer and boolean arithmetic is exact, however XLA
     fuses it with its neighbours."""
-    return not any(np.issubdtype(value.aval.dtype, np.inexact) for value in _values(jaxpr)) and all(
+    return not any(jax.numpy.issubdtype(value.aval.dtype, np.inexact) for value in _values(jaxpr)) and all(
         _exact(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
 
 
@@ -321,7 +321,7 @@ def _fusible(jaxpr: Any) -> bool:
     other code in a loop of several ops than in a loop of one (``exp``, ``log``, ``erf`` differ in the last bit),
     nor are reductions, whose order of summation depends on the loop; nor complex multiplication, a multiply-add."""
     return all(eqn.primitive.name in _CORRECTLY_ROUNDED for eqn in jaxpr.eqns) and not any(
-        np.issubdtype(value.aval.dtype, np.complexfloating) for value in _values(jaxpr)) and all(
+        jax.numpy.issubdtype(value.aval.dtype, np.complexfloating) for value in _values(jaxpr)) and all(
         _fusible(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
 
 
@@ -625,7 +625,7 @@ def _pinned(gate: Any, jaxpr: Any, outputs: list) -> list:
     rounded to its dtype (no excess precision kept across it); elementwise, so fused with both sides."""
     pinned = []
     for value in outputs:
-        if np.issubdtype(value.dtype, np.floating):
+        if jax.numpy.issubdtype(value.dtype, np.floating):
             unsigned = np.dtype(f"uint{8 * value.dtype.itemsize}")
             zero = jax.lax.convert_element_type(jax.lax.bitwise_not(gate), unsigned)
             bits = jax.lax.bitcast_convert_type(value, unsigned)
@@ -700,5 +700,5 @@ def reset_stats() -> None:
     _stats.update(dict.fromkeys(_STATS, 0))
 
 
-checks.flush_recorded = flush
+checks.flush_recorded = engine_hooks.backward_ended = flush
 set_mode(runtime.eager_mode())
