@@ -14,13 +14,15 @@ warm-up of 10 steps (goal ~100%) with the cached programs, the device memory in 
 memory at step 10 and at the end (goal: no growth).
 
 Timings are the best of ``--repeats`` runs after warm-up runs that compile everything (fused programs are
-cached by the chain's structure, so the timed runs find them). Prints each time and the ratios the goals are
-stated in: fused / jax.jit per op (goal <= 1.3x), fused / torch CPU for the forward (goal <= 1.2x) and for
-the training step (goal <= 1.5x); where torch has CUDA, the forward also against torch CUDA eager (not the step: a
-CUDA backward cannot run in a process where tpu is registered, pytorch/pytorch#161129). For the forward and the step
-it also prints where fused mode's time goes: the host's time until the call returns (recording the ops; their
-chains are queued), and XLA's time to run the recorded chain programs, each alone on inputs already computed (on
-JAX's CPU platform the two share the host's cores).
+cached by the chain's structure, so the timed runs find them); the variants of a workload are timed in turn, one
+timed run of each per round (after untimed ones), so that a change of the host's load during the run reaches all
+of them. Prints each time and the ratios the goals are stated in: fused / jax.jit per op (goal <= 1.3x), fused /
+torch CPU for the forward (goal <= 1.2x) and for the training step (goal <= 1.5x); where torch has CUDA, the
+forward also against torch CUDA eager (not the step: a CUDA backward cannot run in a process where tpu is
+registered, pytorch/pytorch#161129). For the forward and the step it also prints where fused mode's time goes: the
+host's time until the call returns (recording the ops; their chains are queued), and XLA's time to run the
+recorded chain programs, each alone on inputs already computed (on JAX's CPU platform the two share the host's
+cores).
 
     python benchmarks/fused_eager.py [--chain 200] [--repeats 10] [--steps 1000]
 """
@@ -38,16 +40,11 @@ import torch
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
 from hf_tpu.backend import dispatch, fused
-from tiny_llama import best_milliseconds, tiny_llama
+from tiny_llama import tiny_llama
 
 
-def best_seconds(run: Callable[[], None], repeats: int, warmups: int = 3) -> float:
-    return best_milliseconds(run, repeats, warmups) / 1e3
-
-
-def add_chain_tpu(mode: str, length: int, repeats: int) -> float:
-    """Seconds per op of an ``x = x + b`` chain on tpu in ``mode``."""
-    torch.tpu.set_eager_mode(mode)
+def add_chain_tpu(length: int) -> Callable[[], None]:
+    """An ``x = x + b`` chain of ``length`` ops on tpu, ending with a device sync."""
     start, b = torch.randn(64, 64).to("tpu"), torch.randn(64, 64).to("tpu")
 
     def run() -> None:
@@ -56,14 +53,11 @@ def add_chain_tpu(mode: str, length: int, repeats: int) -> float:
             x = x + b
         torch.tpu.synchronize()
 
-    try:
-        return best_seconds(run, repeats) / length
-    finally:
-        torch.tpu.set_eager_mode("strict")
+    return run
 
 
-def add_chain_jax(length: int, repeats: int) -> float:
-    """Seconds per op of the same chain with ``jax.jit(jnp.add)`` on JAX arrays."""
+def add_chain_jax(length: int) -> Callable[[], None]:
+    """The same chain with ``jax.jit(jnp.add)`` on JAX arrays."""
     add = jax.jit(jnp.add)
     start, b = jnp.ones((64, 64), jnp.float32), jnp.ones((64, 64), jnp.float32)
 
@@ -73,7 +67,7 @@ def add_chain_jax(length: int, repeats: int) -> float:
             x = add(x, b)
         x.block_until_ready()
 
-    return best_seconds(run, repeats) / length
+    return run
 
 
 class Timing(NamedTuple):
@@ -84,29 +78,49 @@ class Timing(NamedTuple):
     host: float
 
 
-def timed_in_mode(device: str, mode: str, step: Callable[[], object], repeats: int, warmups: int = 3) -> Timing:
-    """Best times of ``step`` on ``device`` (tpu in eager ``mode``, synchronized after each step). What ``step``
-    returns is held over the sync: fused eager computes only results that are still referenced."""
-    sync = {"tpu": torch.tpu.synchronize, "cuda": torch.cuda.synchronize}.get(device, lambda: None)
-    if device == "tpu":
-        torch.tpu.set_eager_mode(mode)
-    try:
-        for _ in range(warmups):
-            result = step()
-            sync()
-            del result
-        total = host = float("inf")
-        for _ in range(repeats):
+class Variant(NamedTuple):
+    """A workload on ``device`` (tpu in eager ``mode``): ``step`` returns what it computed, held over the sync
+    (fused eager computes only results that are still referenced)."""
+
+    device: str
+    mode: str
+    step: Callable[[], object]
+
+
+def alternated(variants: dict[str, Variant], repeats: int, warmups: int = 3, settle: int = 2) -> dict[str, Timing]:
+    """Best times of each variant (synchronized after each step), the variants timed in turn: per round, each
+    runs ``settle`` untimed steps and one timed step, so that a change of the host's load over the run reaches all
+    of them, and each is timed in its own steady state (torch's and XLA's worker threads spin a while after a
+    step: a step timed right after another variant's shares the cores with them)."""
+    syncs = {"tpu": torch.tpu.synchronize, "cuda": torch.cuda.synchronize}
+
+    def once(variant: Variant) -> Timing:
+        sync = syncs.get(variant.device, lambda: None)
+        if variant.device == "tpu":
+            torch.tpu.set_eager_mode(variant.mode)
+        try:
             start = time.perf_counter()
-            result = step()
+            result = variant.step()
             returned = time.perf_counter()
             sync()
-            total, host = min(total, time.perf_counter() - start), min(host, returned - start)
+            end = time.perf_counter()
             del result
-        return Timing(total, host)
-    finally:
-        if device == "tpu":
-            torch.tpu.set_eager_mode("strict")
+            return Timing(end - start, returned - start)
+        finally:
+            if variant.device == "tpu":
+                torch.tpu.set_eager_mode("strict")
+
+    for variant in variants.values():
+        for _ in range(warmups):
+            once(variant)
+    best = {name: Timing(float("inf"), float("inf")) for name in variants}
+    for _ in range(repeats):
+        for name, variant in variants.items():
+            for _ in range(settle):
+                once(variant)
+            timing = once(variant)
+            best[name] = Timing(min(best[name].total, timing.total), min(best[name].host, timing.host))
+    return best
 
 
 def chain_seconds(step: Callable[[], object], repeats: int, warmups: int = 3) -> float:
@@ -174,13 +188,17 @@ def llama_training_step(device: str) -> Callable[[], None]:
 
 def compare_with_cpu(title: str, workload: Callable[[str], Callable[[], object]], goal: float, repeats: int,
                      on_cuda: bool = False) -> None:
-    """Prints ``workload``'s milliseconds on torch CPU, tpu strict and tpu fused, where fused mode's time goes
-    (the host recording; XLA running the recorded chains), and the ratios to CPU."""
-    cpu = timed_in_mode("cpu", "strict", workload("cpu"), repeats).total
-    strict = timed_in_mode("tpu", "strict", workload("tpu"), repeats).total
+    """Prints ``workload``'s milliseconds on torch CPU, tpu strict and tpu fused (timed in turn, see
+    :func:`alternated`), where fused mode's time goes (the host recording; XLA running the recorded chains), and
+    the ratios to CPU."""
+    variants = {"cpu": Variant("cpu", "strict", workload("cpu")), "strict": Variant("tpu", "strict", workload("tpu")),
+                "fused": Variant("tpu", "fused", workload("tpu"))}
+    if on_cuda and torch.cuda.is_available():
+        variants["cuda"] = Variant("cuda", "strict", workload("cuda"))
     fused.reset_stats()
-    fused_time = timed_in_mode("tpu", "fused", workload("tpu"), repeats)
+    best = alternated(variants, repeats)
     counts = fused.stats()
+    cpu, strict, fused_time = best["cpu"].total, best["strict"].total, best["fused"]
     chains = chain_seconds(workload("tpu"), repeats)
     print(title)
     print(f"  torch cpu {cpu * 1e3:8.2f}   tpu strict {strict * 1e3:8.2f}   tpu fused {fused_time.total * 1e3:8.2f}")
@@ -190,8 +208,8 @@ def compare_with_cpu(title: str, workload: Callable[[str], Callable[[], object]]
     print(f"  where fused mode's time goes: host until the call returns {fused_time.host * 1e3:.2f} "
           f"({fused_time.host / cpu:.2f}x cpu), XLA running its chains alone {chains * 1e3:.2f} "
           f"({chains / cpu:.2f}x cpu)")
-    if on_cuda and torch.cuda.is_available():
-        cuda = timed_in_mode("cuda", "strict", workload("cuda"), repeats).total
+    if "cuda" in best:
+        cuda = best["cuda"].total
         print(f"  torch cuda eager {cuda * 1e3:.2f} on {torch.cuda.get_device_name()}: fused / cuda "
               f"{fused_time.total / cuda:.2f}x, strict / cuda {strict / cuda:.2f}x")
     print()
@@ -234,11 +252,12 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}\n")
-    jit = add_chain_jax(args.chain, args.repeats)
-    strict = add_chain_tpu("strict", args.chain, args.repeats)
     fused.reset_stats()
-    fused_op = add_chain_tpu("fused", args.chain, args.repeats)
+    per_run = alternated({"jit": Variant("jax", "", add_chain_jax(args.chain)),
+                          "strict": Variant("tpu", "strict", add_chain_tpu(args.chain)),
+                          "fused": Variant("tpu", "fused", add_chain_tpu(args.chain))}, args.repeats)
     hits = fused.stats()
+    jit, strict, fused_op = (per_run[name].total / args.chain for name in ("jit", "strict", "fused"))
     print(f"x = x + b chain of {args.chain} ops, 64x64 float32, µs per op")
     print(f"  jax.jit {jit * 1e6:8.1f}   tpu strict {strict * 1e6:8.1f}   tpu fused {fused_op * 1e6:8.1f}")
     print(f"  fused / jax.jit {fused_op / jit:5.2f}x (goal <= 1.3x)   strict / jax.jit {strict / jit:5.2f}x   "
