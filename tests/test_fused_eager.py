@@ -71,6 +71,24 @@ def test_pointwise_chain_matches_strict_and_cpu():
         torch.testing.assert_close(actual, reference)
 
 
+def normalized(x, w, device="tpu"):
+    x, w = x.to(device), w.to(device)  # copies recorded in fused mode: the whole computation is one chain
+    y = torch.tanh(x @ w) * 0.5 + x.sin()
+    divisor = y.abs().max() + 1
+    return [y / divisor, divisor]  # divided by a value of the chain that is one of its results
+
+
+def test_a_division_by_a_value_of_the_chain_matches_strict_and_cpu():
+    """XLA rewrote a division by a broadcast parameter (strict mode) as a product with its reciprocal, but not one
+    by a value of the chain that is also a result: fused and strict mode gave 347 elements of 1024 apart. Both
+    divide now (``pointwise.divided``), as CPU does."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(32, 32, generator=generator), torch.randn(32, 32, generator=generator)
+    strict = in_mode("strict", normalized, x, w)
+    assert_bitwise(in_mode("fused", normalized, x, w), strict)
+    torch.testing.assert_close(strict[0], normalized(x, w, "cpu")[0])
+
+
 def test_ops_are_recorded_until_a_value_is_read():
     a = torch.arange(6.0, device="tpu")
     torch.tpu.set_eager_mode("fused")

@@ -467,3 +467,26 @@ def test_pointwise_results_take_the_memory_layout_cpu_gives_them(name):
     assert result.stride() == expected.stride()
     torch.testing.assert_close(result.cpu(), expected)
     torch.testing.assert_close(result.transpose(1, 2).reshape(-1).cpu(), expected.transpose(1, 2).reshape(-1))
+
+
+DIVISIONS = {
+    "by a number": lambda x, y: x / 3.0,
+    "by a zero-dim tensor": lambda x, y: x / y[0, 0],
+    "by a row": lambda x, y: x / y[:1],
+    "by a column": lambda x, y: x / y[:, :1],
+    "in place by a number": lambda x, y: x.clone().div_(7.0),
+    "trunc by a number": lambda x, y: torch.div(x, 0.3, rounding_mode="trunc"),
+    "floor by a column": lambda x, y: torch.div(x, y[:, :1], rounding_mode="floor"),
+    "addcdiv by a row": lambda x, y: torch.addcdiv(x, x, y[:1], value=0.1),
+    "foreach by numbers": lambda x, y: torch._foreach_div([x, y], [3.0, 0.7])[1],
+}
+
+
+@pytest.mark.parametrize("name", DIVISIONS)
+def test_divisions_by_a_broadcast_divisor_are_rounded_once_as_on_cpu(name):
+    """CPU's kernels divide; XLA's simplifier would multiply by the divisor's reciprocal (two roundings: a third of
+    the elements of ``x / 3.0`` one unit in the last place off), bit for bit."""
+    x, y = torch.randn(64, 256), torch.randn(64, 256) + 3
+    expected = DIVISIONS[name](x, y)
+    result = DIVISIONS[name](x.to("tpu"), y.to("tpu")).cpu()
+    assert torch.equal(result, expected), f"{(result != expected).sum().item()} elements differ from CPU's"

@@ -308,7 +308,7 @@ _CORRECTLY_ROUNDED = frozenset({
     "nextafter", "integer_pow", "square", "is_finite", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
     "select_n", "convert_element_type", "copy", "copy_p", "stop_gradient", "iota", "broadcast_in_dim", "reshape",
     "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad",
-    "rev",
+    "rev", "optimization_barrier",
     # calls of jaxprs, whose equations are looked at in turn
     "pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"})
 

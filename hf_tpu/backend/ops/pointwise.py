@@ -51,6 +51,15 @@ def _math(fn, dtype, *operands):
     return fn(*(None if x is None else jnp.asarray(x, compute) for x in operands)).astype(dtype)
 
 
+def divided(dividend, divisor):
+    """Traced: ``dividend / divisor`` rounded once, as torch's CPU kernels divide. XLA's algebraic simplifier
+    turns a division by a broadcast value (a number, a row, a constant) into a product with its reciprocal, which
+    rounds twice (``x / 3.0`` was one unit in the last place off in a third of its elements). It does not look
+    through an optimization barrier, which XLA drops before fusing: the division is still one fused loop."""
+    shape = jnp.broadcast_shapes(jnp.shape(dividend), jnp.shape(divisor))
+    return dividend / lax.optimization_barrier(jnp.broadcast_to(divisor, shape))
+
+
 def _scaled(value, alpha):
     return value if isinstance(alpha, int) and alpha == 1 else value * jnp.asarray(alpha, value.dtype)
 
@@ -93,11 +102,11 @@ def mul(self, other):
 
 @lowering("div.Tensor", "div_.Tensor", "div.out", "div.Scalar", "div_.Scalar", "div.Scalar_out")
 def div(self, other):
-    return _math(jnp.true_divide, _float_result(self, other), self, other)
+    return _math(divided, _float_result(self, other), self, other)
 
 
 def _trunc_divide(a, b):
-    return jnp.trunc(a / b) if _is_float(a) else lax.div(a, b)
+    return jnp.trunc(divided(a, b)) if _is_float(a) else lax.div(a, b)
 
 
 def _floor_divide(a, b):
@@ -105,12 +114,13 @@ def _floor_divide(a, b):
     if not _is_float(a):
         return jnp.floor_divide(a, b)
     mod = jnp.fmod(a, b)
-    quotient = (a - mod) / b
+    quotient = divided(a - mod, b)
     quotient = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), quotient - 1, quotient)
     floor = jnp.floor(quotient)
     floor = jnp.where(quotient - floor > 0.5, floor + 1, floor)
-    floor = jnp.where(quotient == 0, jnp.copysign(jnp.zeros_like(quotient), a / b), floor)
-    return jnp.where(b == 0, a / b, floor)
+    true_quotient = divided(a, b)
+    floor = jnp.where(quotient == 0, jnp.copysign(jnp.zeros_like(quotient), true_quotient), floor)
+    return jnp.where(b == 0, true_quotient, floor)
 
 
 @lowering("div.Tensor_mode", "div_.Tensor_mode", "div.out_mode", "div.Scalar_mode", "div_.Scalar_mode",
@@ -125,7 +135,7 @@ def div_mode(self, other, rounding_mode=None):
     dtype = result_type(self, other)
     checks.nonzero_divisor(other, dtype)
     if rounding_mode == "trunc" and np.dtype(dtype) in _HALF:  # CPU rounds the quotient before truncating
-        return _math(lambda a, b: jnp.trunc(rounded_to(a / b, dtype)), dtype, self, other)
+        return _math(lambda a, b: jnp.trunc(rounded_to(divided(a, b), dtype)), dtype, self, other)
     return _math(_trunc_divide if rounding_mode == "trunc" else _floor_divide, dtype, self, other)
 
 
@@ -223,7 +233,8 @@ def addcmul(self, tensor1, tensor2, value=1):
 
 @lowering("addcdiv", "addcdiv_", "addcdiv.out")
 def addcdiv(self, tensor1, tensor2, value=1):
-    return _math(lambda s, a, b, v: s + v * a / b, result_type(self, tensor1, tensor2), self, tensor1, tensor2, value)
+    return _math(lambda s, a, b, v: s + divided(v * a, b), result_type(self, tensor1, tensor2), self, tensor1,
+                 tensor2, value)
 
 
 def _lerp(start, end, weight):
