@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import warnings
 import weakref
 
@@ -87,6 +88,39 @@ def test_a_division_by_a_value_of_the_chain_matches_strict_and_cpu():
     strict = in_mode("strict", normalized, x, w)
     assert_bitwise(in_mode("fused", normalized, x, w), strict)
     torch.testing.assert_close(strict[0], normalized(x, w, "cpu")[0])
+
+
+def iterate_in_threads(mode: str, starts: list) -> list:
+    """Each start iterated in a thread of its own, all at once (their ops interleave in the chains), in ``mode``."""
+    def iterate(index: int) -> None:
+        x, w = starts[index][0].to("tpu"), starts[index][1].to("tpu")
+        for step in range(40):
+            x = torch.tanh(x @ w) * 0.5 + x.sin()
+            if step % 7 == 0:
+                x = x / (x.abs().max() + 1)
+            if step % 11 == 0:
+                float(x.sum())  # a host read: a sync point amid the other threads' ops
+        results[index] = x.cpu()
+
+    torch.tpu.set_eager_mode(mode)
+    results = [None] * len(starts)
+    threads = [threading.Thread(target=iterate, args=(index,)) for index in range(len(starts))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        torch.tpu.set_eager_mode("strict")
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+def test_threads_recording_at_once_get_strict_results():
+    """Chaotic loops (a last-bit difference grows to O(1) within them) in four threads, with host reads."""
+    generator = torch.Generator().manual_seed(0)
+    starts = [(torch.randn(16, 16, generator=generator), torch.randn(16, 16, generator=generator)) for _ in range(4)]
+    assert_bitwise(iterate_in_threads("fused", starts), iterate_in_threads("strict", starts))
 
 
 def test_ops_are_recorded_until_a_value_is_read():
