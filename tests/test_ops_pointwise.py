@@ -479,6 +479,7 @@ DIVISIONS = {
     "floor by a column": lambda x, y: torch.div(x, y[:, :1], rounding_mode="floor"),
     "addcdiv by a row": lambda x, y: torch.addcdiv(x, x, y[:1], value=0.1),
     "foreach by numbers": lambda x, y: torch._foreach_div([x, y], [3.0, 0.7])[1],
+    "round to 3 decimals": lambda x, y: torch.round(x * 100, decimals=3),
 }
 
 

@@ -308,8 +308,8 @@ def round_decimals(self, decimals):
     """Half-to-even rounding of ``self * 10**decimals``, computed like torch in the opmath type."""
     scale = 10.0 ** abs(decimals)
     if decimals >= 0:
-        return _math(lambda x, s: jnp.round(x * s) / s, self.dtype, self, scale)
-    return _math(lambda x, s: jnp.round(x / s) * s, self.dtype, self, scale)
+        return _math(lambda x, s: divided(jnp.round(x * s), s), self.dtype, self, scale)
+    return _math(lambda x, s: jnp.round(divided(x, s)) * s, self.dtype, self, scale)
 
 
 @lowering("frac", "frac_", "frac.out")
