@@ -158,8 +158,8 @@ class _Chain:
         self.ops: list[_Op] = []
         self.outputs: list[weakref.ref] = []  # weak references to the ops' result values, in slot order
         # The concrete values the chain reads, one slot each; but an array an op reads twice is two parameters of
-        # the program, as in strict mode (XLA may compile an op differently when two of its operands are one value,
-        # e.g. divisions by one shared divisor as multiplications by its reciprocal).
+        # the program, as in strict mode (XLA may compile an op differently when two of its operands are one value:
+        # it turned divisions by one shared divisor into products with its reciprocal before pointwise.divided).
         self.inputs: list[Any] = []
         self.input_slots: list[int] = []
         self.input_signatures: list[tuple] = []
