@@ -222,6 +222,15 @@ def fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def _additive(attn_mask, dtype):
+    """A boolean mask (True = attend) as the additive mask of ``dtype`` the math path takes: 0 where allowed, -inf
+    where masked, as torch's own SDPA converts it before its math path (which adds whatever mask it is given, so a
+    boolean one would add 1 and 0 and mask nothing)."""
+    if attn_mask is None or attn_mask.dtype != torch.bool:
+        return attn_mask
+    return torch.zeros((), dtype=dtype, device=attn_mask.device).masked_fill(attn_mask.logical_not(), -math.inf)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                                  enable_gqa=False):
     """``F.scaled_dot_product_attention`` on tpu: the fused op when :func:`_choose` picks it, else torch's math path."""
@@ -231,7 +240,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             f"{query.dtype} key.dtype: {key.dtype} and value.dtype: {value.dtype} instead.")
     if _choose(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) == int(SDPBackend.MATH):
         return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+            query, key, value, _additive(attn_mask, query.dtype), dropout_p, is_causal, None, scale=scale,
+            enable_gqa=enable_gqa)[0]
     if is_causal and attn_mask is not None:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
