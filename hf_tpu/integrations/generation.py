@@ -5,7 +5,8 @@ shape; transformers keeps the largest length seen so far, so growing prompts sti
 new length. On tpu the length is rounded up to a bucket (:func:`bucket`), so prompts of many lengths
 share a few programs. Results do not change: positions past the written part of a static cache are
 masked out of attention. The cache generate hands back (``return_dict_in_generate=True``) is trimmed
-to the length it has on any other device (views of the bucketed buffers), so bucketing is invisible.
+to the length it has on any other device (views of the bucketed buffers), and so are each step's self-attention
+weights (``output_attentions``), so bucketing is invisible.
 An explicit ``max_cache_len`` in the generation config is the user's own choice of size: it is used
 as is, not bucketed.
 
@@ -67,12 +68,14 @@ def _static_cache(cache: Any) -> Any:
     return getattr(cache, "self_attention_cache", cache)
 
 
-def trim_to_visible_length(cache: Any) -> None:
-    """Cuts each layer of a bucketed static cache to the length the cache would have on another device."""
+def trim_to_visible_length(cache: Any) -> tuple[int, int] | None:
+    """Cuts each layer of a bucketed static cache to the length the cache would have on another device; returns
+    the bucketed and the visible length (``None`` for a cache that was not bucketed)."""
     cache = _static_cache(cache)
     length = getattr(cache, _VISIBLE, None)
     if length is None:
-        return
+        return None
+    bucketed = max(layer.max_cache_len for layer in cache.layers)
     for layer in cache.layers:
         if length >= layer.max_cache_len:
             continue
@@ -83,6 +86,23 @@ def trim_to_visible_length(cache: Any) -> None:
             layer.values = layer.values[:, :, :length]
         layer.max_cache_len = length
     delattr(cache, _VISIBLE)
+    return bucketed, length
+
+
+# the per-step outputs of generate whose last dimension is the self-attention cache's length
+_SELF_ATTENTIONS = ("attentions", "decoder_attentions")
+
+
+def _trim_attentions(result: Any, bucketed: int, visible: int) -> None:
+    """Cuts each step's self-attention weights from the bucketed cache length to the visible one, as the cache is
+    cut: the weights of positions past the visible length are exact zeros (never written, masked out)."""
+    for name in _SELF_ATTENTIONS:
+        steps = result.get(name)
+        if steps is not None:
+            result[name] = tuple(
+                tuple(layer[..., :visible] if isinstance(layer, torch.Tensor) and layer.shape[-1] == bucketed
+                      else layer for layer in step)
+                for step in steps)
 
 
 def _spread_spec(states: torch.Tensor) -> tuple[Any, list] | None:
@@ -132,6 +152,17 @@ def _install_sharded_static_cache(cache_utils: Any) -> None:
     layer.lazy_initialization = lazy_initialization
 
 
+def _crops(cache: Any) -> bool:
+    """Whether ``cache.crop`` works: an ``EncoderDecoderCache`` reports its self-attention half's ``is_croppable``
+    but crops dynamic halves only (it raises for the static cache of a compiled encoder-decoder ``generate``)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    if isinstance(cache, EncoderDecoderCache):
+        return isinstance(cache.self_attention_cache, DynamicCache) and isinstance(cache.cross_attention_cache,
+                                                                                   DynamicCache)
+    return cache is None or cache.is_croppable
+
+
 def _install_deferred_stop_check(check: type) -> None:
     """``DeferredStopCheck`` for tpu under upstream's rules for mps (the one device it defers on), with its
     host slots pinned, which makes the copies into them asynchronous (upstream pins them on cuda only)."""
@@ -142,8 +173,12 @@ def _install_deferred_stop_check(check: type) -> None:
     from ..backend import pinned
 
     @functools.wraps(is_supported)
-    def supported(device: torch.device, *args: Any, **kwargs: Any) -> bool:
-        return is_supported(torch.device("mps") if device.type == "tpu" else device, *args, **kwargs)
+    def supported(device: torch.device, cache: Any, cache_is_returned: bool, *args: Any, **kwargs: Any) -> bool:
+        if device.type != "tpu":
+            return is_supported(device, cache, cache_is_returned, *args, **kwargs)
+        if cache_is_returned and not _crops(cache):
+            return False
+        return is_supported(torch.device("mps"), cache, cache_is_returned, *args, **kwargs)
 
     @functools.wraps(initialize)
     def init(self: Any, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -395,8 +430,9 @@ def install(module: Any) -> None:
     def generate_then_trim(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = generate(self, *args, **kwargs)
         cache = result.get("cache", result.get("past_key_values")) if hasattr(result, "get") else None
-        if cache is not None:
-            trim_to_visible_length(cache)
+        lengths = trim_to_visible_length(cache) if cache is not None else None
+        if lengths is not None:
+            _trim_attentions(result, *lengths)
         return result
 
     prepare_cache_for_generation._hf_tpu = True

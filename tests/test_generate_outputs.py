@@ -1,0 +1,86 @@
+"""Compiled generation on tpu returns what it returns on CPU: every per-step output generate can hand back (scores,
+logits, attentions, hidden states) with CPU's shapes and values, for decoder-only and encoder-decoder models.
+
+tpu rounds a static cache's length up to a bucket (hf_tpu/integrations/generation.py); the self-attention weights
+of each step (over the cache's length) are cut back to CPU's length as the cache is."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from conftest import tiny_llama, to_tpu
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+ALL_OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, output_attentions=True,
+                   output_hidden_states=True)
+
+
+def tiny_t5() -> torch.nn.Module:
+    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).eval()
+
+
+def _assert_outputs_match(actual, expected, path=""):
+    """Equal structure, shapes, dtypes and (within float tolerance) values, field by field."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.device.type == "tpu", path
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, (path, actual.shape, expected.shape)
+        torch.testing.assert_close(actual.cpu(), expected, atol=1e-4, rtol=1e-4, msg=path)
+    elif isinstance(expected, (tuple, list)):
+        assert len(actual) == len(expected), path
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            _assert_outputs_match(a, e, f"{path}[{index}]")
+    else:
+        assert actual == expected, path
+
+
+def _compare_generate(cpu_model, prompt, **options):
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    expected = cpu_model.generate(prompt, **options)
+    actual = tpu_model.generate(to_tpu(prompt), **options)
+    fields = [name for name in expected.keys() if name not in ("cache", "past_key_values")]
+    assert fields == [name for name in actual.keys() if name not in ("cache", "past_key_values")]
+    for name in fields:
+        _assert_outputs_match(actual[name], expected[name], name)
+    return actual, expected
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_decoder_only_static_cache_outputs_match_cpu(attention):
+    """The attentions are over CPU's cache length (8 = 6 + 3 - 1: the last token is never cached), not the
+    bucket's (64)."""
+    model = tiny_llama(attn_implementation=attention).eval()
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    actual, _ = _compare_generate(model, prompt, max_new_tokens=3, do_sample=False, cache_implementation="static",
+                                  **ALL_OUTPUTS)
+    if attention == "eager":
+        assert actual.attentions[0][0].shape[-1] == 8
+
+
+def test_encoder_decoder_static_cache_generates_as_on_cpu():
+    """A static encoder-decoder cache cannot be cropped, so generate does not defer its stop check for it (which
+    crops the cache each step); its outputs, self- and cross-attentions included, are CPU's."""
+    model = tiny_t5()
+    model.set_attn_implementation("eager")
+    prompt = torch.randint(2, 99, (2, 7), generator=torch.Generator().manual_seed(0))
+    actual, expected = _compare_generate(model, prompt, max_new_tokens=4, do_sample=False,
+                                         cache_implementation="static", **ALL_OUTPUTS)
+    assert actual.decoder_attentions[0][0].shape == expected.decoder_attentions[0][0].shape
+
+
+def test_encoder_decoder_static_cache_stops_early_as_on_cpu():
+    """Rows that reach the end-of-sequence token stop and are padded as on CPU, with the cache returned."""
+    model = tiny_t5()
+    prompt = torch.randint(2, 99, (3, 5), generator=torch.Generator().manual_seed(1))
+    first = model.generate(prompt, max_new_tokens=2, do_sample=False)[:, 1]
+    model.generation_config.eos_token_id = int(first[0])  # the first row stops after one token
+    _compare_generate(model, prompt, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                      return_dict_in_generate=True, output_scores=True)
