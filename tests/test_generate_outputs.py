@@ -6,6 +6,7 @@ of each step (over the cache's length) are cut back to CPU's length as the cache
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -84,3 +85,35 @@ def test_encoder_decoder_static_cache_stops_early_as_on_cpu():
     model.generation_config.eos_token_id = int(first[0])  # the first row stops after one token
     _compare_generate(model, prompt, max_new_tokens=6, do_sample=False, cache_implementation="static",
                       return_dict_in_generate=True, output_scores=True)
+
+
+def test_compiled_generate_keeps_transformers_compile_contract():
+    """What transformers' own tests check of a compiled ``generate`` (``test_generate_compile_model_forward_fullgraph``,
+    ``test_static_cache_no_recompile_with_smaller_length``): the model holds its compiled forward
+    (``_compiled_call``) after a static-cache generate, whose decode steps run as hf_tpu's one program; a second
+    generate with a shorter prompt compiles nothing, in Dynamo (``fail_on_recompile``) or XLA (the same program);
+    and the tokens and scores are those of eager decoding with a dynamic cache on CPU."""
+    from hf_tpu.compile import compile_stats, decode_loop, reset_compile_stats
+
+    cpu_model = tiny_llama().eval()
+    cpu_model.generation_config.pad_token_id = 0
+    model = copy.deepcopy(cpu_model).to("tpu")
+    compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False)
+    options = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (2, 7), generator=generator), torch.randint(1, 128, (2, 4), generator=generator)]
+    assert not hasattr(model, "_compiled_call")
+    reset_compile_stats()
+    results = []
+    for index, prompt in enumerate(prompts):
+        stance = torch.compiler.set_stance("fail_on_recompile") if index else contextlib.nullcontext()
+        with stance:
+            results.append(model.generate(to_tpu(prompt), cache_implementation="static",
+                                          compile_config=compile_config, **options))
+        assert hasattr(model, "_compiled_call")
+    assert compile_stats()["decode_loops"] == 2
+    assert len(decode_loop._programs[model]) == 1
+    for prompt, result in zip(prompts, results):
+        expected = cpu_model.generate(prompt, **options)
+        assert result.sequences.cpu().tolist() == expected.sequences.tolist()
+        _assert_outputs_match(result.scores, expected.scores, "scores")

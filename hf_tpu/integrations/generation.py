@@ -32,7 +32,10 @@ their masks stay outside.
 Decoding from such a cache, greedy or sampled, runs every step after the prefill as one program on tpu
 (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
 hands the loop to that program, or, for what it does not serve (logits processors it does not run, per-step
-attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own.
+attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own. Either way the
+model gets transformers' compiled forward (``model._compiled_call``, from ``get_compiled_call``) as it does on any
+device, and a later ``generate`` whose prompt is shorter reuses the program (the cache's bucket is the same): neither
+Dynamo nor XLA compiles again.
 
 Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
 ``GenerationMixin._sample``, ``DeferredStopCheck`` (``is_supported``, ``__init__``) and the
@@ -309,6 +312,9 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     if limits is None:
         return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer=streamer,
                       **model_kwargs)
+    # the compiled forward transformers' loop would decode with (``model._compiled_call``, made lazily, as on any
+    # device): the fallback below decodes with it, and code that checks generate compiled the model finds it
+    model.get_compiled_call(generation_config.compile_config)
     kwargs = dict(model_kwargs)
     cache = kwargs[cache_key]
     stream = torch.tpu.get_rng_state(input_ids.device)  # where the loop from the start draws again, if it must
