@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Callable
 
@@ -118,7 +119,19 @@ def fresh_dynamo(tmp_path, monkeypatch):
     torch._dynamo.reset()
     reset_compile_stats()
     yield
+    _import_what_inductor_resets_with()
     torch._dynamo.reset()
+
+
+def _import_what_inductor_resets_with() -> None:
+    """torch's reset of an Inductor backend with CUDA graphs (``mode="reduce-overhead"``, transformers' default
+    ``CompileConfig``) first imports ``torch._inductor.cudagraph_trees``, whose import registers a backend in the
+    dict ``torch._dynamo.reset`` is iterating ("dictionary changed size during iteration"); imported before, it
+    registers nothing then."""
+    from torch._dynamo import eval_frame
+
+    if any(isinstance(backend, torch._TorchCompileInductorWrapper) for backend in eval_frame.cached_backends.values()):
+        importlib.import_module("torch._inductor.cudagraph_trees")
 
 
 @pytest.fixture
