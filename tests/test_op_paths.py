@@ -17,6 +17,7 @@ refuses a path (forward-mode AD of an embedding bag, which torch does not define
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -301,3 +302,112 @@ OP_CASES = {
 @pytest.mark.parametrize("op", OP_CASES)
 def test_op_along_each_path(op, path):
     check_path(OP_CASES[op], path)
+
+
+# --- torch.nn's inference fast path ----------------------------------------------------------------
+# nn.MultiheadAttention and nn.TransformerEncoderLayer in eval mode call fused ops (_native_multi_head_attention,
+# _transformer_encoder_layer_fwd) under inference mode, and their decomposed forward with autograd on.
+
+torch.manual_seed(2)
+_TOKENS = torch.randn(2, 5, 16)
+_PADDING = torch.zeros(2, 5, dtype=torch.bool)
+_PADDING[0, 3:] = True
+_CAUSAL = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+_ALL_PADDED = _PADDING.clone()
+_ALL_PADDED[1] = True
+
+NN_MASKS = {"none": {}, "padding": dict(key_padding_mask=_PADDING), "attn_mask": dict(attn_mask=_CAUSAL),
+            "both": dict(attn_mask=_CAUSAL, key_padding_mask=_PADDING),
+            "all_padded_row": dict(key_padding_mask=_ALL_PADDED)}
+
+
+def _on(device, options):
+    return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+
+
+@pytest.mark.parametrize("weights", ["averaged", "per_head", "none"])
+@pytest.mark.parametrize("mask", NN_MASKS)
+def test_multihead_attention_fast_path(mask, weights):
+    """Masks (key padding, boolean attention, both, a row with every key padded: NaN, as on CPU) and each kind
+    of returned weights, in inference mode (the fused op) and with autograd (output and gradients)."""
+    options = dict(NN_MASKS[mask], need_weights=weights != "none", average_attn_weights=weights == "averaged")
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    tpu_module = copy.deepcopy(module).to("tpu")
+
+    def attend(this, x, device):
+        return this(x, x, x, **_on(device, options))
+
+    with torch.inference_mode():
+        expected = attend(module, _TOKENS, "cpu")
+        actual = attend(tpu_module, _TOKENS.to("tpu"), "tpu")
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5, equal_nan=True)
+    if mask != "all_padded_row":  # NaN rows have NaN gradients everywhere
+        check_path(Case(lambda x: attend(tpu_module if x.device.type == "tpu" else module, x, x.device.type)[0],
+                        (_TOKENS,)), "autograd")
+
+
+@pytest.mark.parametrize("mask", ["none", "padding", "attn_mask"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("norm_first", [False, True], ids=["norm_after", "norm_first"])
+def test_transformer_encoder_layer_fast_path(norm_first, activation, mask):
+    options = {("src_key_padding_mask" if name == "key_padding_mask" else "src_mask"): value
+               for name, value in NN_MASKS[mask].items()}
+    torch.manual_seed(0)
+    module = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, activation=activation, batch_first=True,
+                                              norm_first=norm_first).eval()
+    tpu_module = copy.deepcopy(module).to("tpu")
+    with torch.inference_mode():
+        expected = module(_TOKENS, **options)
+        actual = tpu_module(_TOKENS.to("tpu"), **_on("tpu", options))
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+    check_path(Case(lambda x: (tpu_module if x.device.type == "tpu" else module)(x, **_on(x.device.type, options)),
+                    (_TOKENS,)), "autograd")
+
+
+def test_inference_mode_takes_the_fused_ops():
+    """What the tests above compare in inference mode is the fused ops, on tpu as on CPU."""
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval().to("tpu")
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).eval().to("tpu")
+    x = _TOKENS.to("tpu")
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        attention(x, x, x)
+        layer(x)
+    names = {event.name for event in profile.events()}
+    assert {"aten::_native_multi_head_attention", "aten::_transformer_encoder_layer_fwd"} <= names
+
+
+def test_transformer_encoder_nested_tensor_fast_path_says_what_to_do():
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2).eval()
+    with torch.inference_mode(), pytest.raises(NotImplementedError, match="enable_nested_tensor=False"):
+        encoder.to("tpu")(_TOKENS.to("tpu"), src_key_padding_mask=_PADDING.to("tpu"))
+    torch.manual_seed(0)
+    plain = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2,
+                                        enable_nested_tensor=False).eval()
+    tpu_plain = copy.deepcopy(plain).to("tpu")
+    with torch.inference_mode():
+        expected = plain(_TOKENS, src_key_padding_mask=_PADDING)
+        actual = tpu_plain(_TOKENS.to("tpu"), src_key_padding_mask=_PADDING.to("tpu"))
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_fast_path_ops_are_lowered():
+    """Graph mode lowers both fused ops (no eager fallback) with CPU's results."""
+    from hf_tpu.compile import compile_stats, reset_compile_stats
+
+    torch._dynamo.reset()
+    reset_compile_stats()
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True).eval()
+
+    def both(attention, layer, x, padding):
+        return attention(x, x, x, key_padding_mask=padding)[0], layer(x, src_key_padding_mask=padding)
+
+    with torch.inference_mode():
+        expected = both(attention, layer, _TOKENS, _PADDING)
+        compiled = torch.compile(both, backend="tpu")
+        actual = compiled(attention.to("tpu"), layer.to("tpu"), _TOKENS.to("tpu"), _PADDING.to("tpu"))
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+    assert compile_stats()["fallbacks"] == 0

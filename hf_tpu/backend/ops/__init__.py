@@ -3,7 +3,7 @@
 from . import memory, pointwise, views  # noqa: F401
 from . import factories, indexing, linalg, nn, random  # noqa: F401
 from . import foreach, reductions  # noqa: F401
-from . import attention, bessel, convolution, fft, pooling, special  # noqa: F401
+from . import attention, transformer_fast_path, bessel, convolution, fft, pooling, special  # noqa: F401
 from . import moe  # noqa: F401
 from . import optim  # noqa: F401
 from . import histogram  # noqa: F401
