@@ -1,5 +1,6 @@
 """Compiled generation on tpu returns what it returns on CPU: every per-step output generate can hand back (scores,
-logits, attentions, hidden states) with CPU's shapes and values, for decoder-only and encoder-decoder models.
+logits, attentions, hidden states) with CPU's shapes and values, for decoder-only and encoder-decoder models, which
+decode in one program where generate's settings allow.
 
 tpu rounds a static cache's length up to a bucket (hf_tpu/integrations/generation.py); the self-attention weights
 of each step (over the cache's length) are cut back to CPU's length as the cache is."""
@@ -45,7 +46,7 @@ def _assert_outputs_match(actual, expected, path=""):
 def _compare_generate(cpu_model, prompt, **options):
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     expected = cpu_model.generate(prompt, **options)
-    actual = tpu_model.generate(to_tpu(prompt), **options)
+    actual = tpu_model.generate(to_tpu(prompt), **to_tpu(options))
     fields = [name for name in expected.keys() if name not in ("cache", "past_key_values")]
     assert fields == [name for name in actual.keys() if name not in ("cache", "past_key_values")]
     for name in fields:
@@ -77,14 +78,46 @@ def test_encoder_decoder_static_cache_generates_as_on_cpu():
     assert actual.decoder_attentions[0][0].shape == expected.decoder_attentions[0][0].shape
 
 
-def test_encoder_decoder_static_cache_stops_early_as_on_cpu():
-    """Rows that reach the end-of-sequence token stop and are padded as on CPU, with the cache returned."""
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded_prompt"])
+def test_encoder_decoder_decodes_in_one_program_as_on_cpu(padded):
+    """T5 with a static cache decodes every step after the first in one program (the encoder's outputs and mask and
+    the cross-attention cache the prefill wrote are its inputs); rows that reach the end-of-sequence token stop
+    and are padded as on CPU; tokens and scores are CPU's."""
+    from hf_tpu.compile import compile_stats
+
     model = tiny_t5()
     prompt = torch.randint(2, 99, (3, 5), generator=torch.Generator().manual_seed(1))
-    first = model.generate(prompt, max_new_tokens=2, do_sample=False)[:, 1]
+    mask = torch.ones_like(prompt)
+    if padded:
+        mask[1, 3:] = 0
+    first = model.generate(prompt, attention_mask=mask, max_new_tokens=2, do_sample=False)[:, 1]
     model.generation_config.eos_token_id = int(first[0])  # the first row stops after one token
-    _compare_generate(model, prompt, max_new_tokens=6, do_sample=False, cache_implementation="static",
-                      return_dict_in_generate=True, output_scores=True)
+    actual, _ = _compare_generate(model, prompt, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                  cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+    assert type(actual).__name__ == "GenerateEncoderDecoderOutput"
+    assert compile_stats()["decode_loops"] == 1
+
+
+def test_encoder_decoder_sampling_in_one_program_draws_as_transformers_loop():
+    """A seeded draw (top-k, repetition penalty) gives the tokens and scores of transformers' own loop on tpu
+    (``HF_TPU_STEPWISE_DECODE=1``), which draws from the same device stream."""
+    from hf_tpu.compile import compile_stats
+
+    model = tiny_t5().to("tpu")
+    prompt = torch.randint(2, 99, (3, 7), generator=torch.Generator().manual_seed(2)).to("tpu")
+    options = dict(max_new_tokens=8, do_sample=True, top_k=5, repetition_penalty=1.3, cache_implementation="static",
+                   return_dict_in_generate=True, output_scores=True)
+    results = []
+    for stepwise in ("0", "1"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HF_TPU_STEPWISE_DECODE", stepwise)
+            torch.manual_seed(1)
+            results.append(model.generate(prompt, **options))
+    assert compile_stats()["decode_loops"] == 1
+    one_program, stepwise = results
+    assert one_program.sequences.cpu().tolist() == stepwise.sequences.cpu().tolist()
+    for a, b in zip(one_program.scores, stepwise.scores):
+        torch.testing.assert_close(a.cpu(), b.cpu(), atol=1e-5, rtol=1e-5)
 
 
 def test_compiled_generate_keeps_transformers_compile_contract():

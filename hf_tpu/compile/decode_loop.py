@@ -3,7 +3,8 @@
 transformers' ``generate`` runs one compiled decode step per token and, around it, a dozen eager ops (the logits
 processors, argmax or a draw, padding of finished rows, appending the token, the stopping criteria, the mask) and a
 read of the stopping flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds
-tokens/s. For greedy decoding and sampling from a static cache of full-attention layers, with logits processors that
+tokens/s. For greedy decoding and sampling from a static cache of full-attention layers (an encoder-decoder model's
+pair of them, the cross-attention half written by the prefill), with logits processors that
 read the scores alone (temperature, top-k, top-p, min-p, typical, epsilon) or the repetition penalty, and stopping
 on length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program: the
 model's decode step and the token's choice, traced as AOTAutograd traces graph mode's graphs and lowered by graph
@@ -118,6 +119,7 @@ def _processor_kinds() -> dict[str, frozenset]:
 
 
 _TOKENS = "tokens so far"  # the step's input that holds them, for processors that read them (not a model input)
+_ENCODER = "encoder_outputs"  # an encoder-decoder step's input: the encoder's last hidden state
 
 
 def _tokens_so_far(processors: Sequence, sequences: torch.Tensor, max_length: int) -> tuple[list, torch.Tensor]:
@@ -149,23 +151,28 @@ class _Step(torch.nn.Module):
     """One decode step of ``model`` on ``cache``: takes the cache layers' keys, values and lengths, then the
     step's other inputs (``input_names``), all positionally, so that tracing sees the cache's updates as input
     mutations; returns the next token of each row, chosen by :func:`next_tokens`, then the step's ``outputs``
-    (``"scores"``, ``"logits"``) that generate hands back."""
+    (``"scores"``, ``"logits"``) that generate hands back. An encoder-decoder model's ``encoder_outputs`` come in
+    as their last hidden state and go to the model as ``encoder_output_type``."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
-                 input_names: list[str], choice: tuple, outputs: tuple[str, ...]) -> None:
+                 input_names: list[str], choice: tuple, outputs: tuple[str, ...],
+                 encoder_output_type: type | None = None) -> None:
         super().__init__()
         self.model = model
         self._cache, self._cache_key, self._constants, self._input_names = cache, cache_key, constants, input_names
         self._processors, self._do_sample = choice
         self._outputs = outputs
+        self._encoder_output_type = encoder_output_type
 
     def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor]:
-        layers = len(self._cache.layers)
+        layers = len(_layers(self._cache))
         saved = _layer_state(self._cache)
         try:
             _set_layer_state(self._cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
             inputs = dict(zip(self._input_names, arguments[3 * layers:]))
-            tokens = inputs.pop(_TOKENS, inputs["input_ids"])
+            tokens = inputs.pop(_TOKENS, inputs[_token_name(inputs)])
+            if self._encoder_output_type is not None:
+                inputs[_ENCODER] = self._encoder_output_type(last_hidden_state=inputs[_ENCODER])
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
             _set_layer_state(self._cache, *saved)
@@ -173,15 +180,29 @@ class _Step(torch.nn.Module):
         return (chosen["tokens"], *(chosen[name] for name in self._outputs))
 
 
+def _token_name(inputs: Any) -> str:
+    """The step's input that holds the token: a decoder's ``input_ids``, an encoder-decoder's
+    ``decoder_input_ids``."""
+    return "decoder_input_ids" if "decoder_input_ids" in inputs else "input_ids"
+
+
+def _layers(cache: Any) -> list:
+    """The cache's layers: a decoder's, or an encoder-decoder cache's self-attention layers (which each step writes)
+    then its cross-attention layers (which the prefill wrote and each step reads)."""
+    halves = (cache.self_attention_cache, cache.cross_attention_cache) if hasattr(cache, "cross_attention_cache") \
+        else (cache,)
+    return [layer for half in halves for layer in half.layers]
+
+
 def _layer_state(cache: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The cache's state: every layer's keys, values and lengths."""
-    layers = cache.layers
+    layers = _layers(cache)
     return [layer.keys for layer in layers], [layer.values for layer in layers], \
         [layer.cumulative_length for layer in layers]
 
 
 def _set_layer_state(cache: Any, keys: list, values: list, lengths: list) -> None:
-    for layer, state in zip(cache.layers, zip(keys, values, lengths)):
+    for layer, state in zip(_layers(cache), zip(keys, values, lengths)):
         layer.keys, layer.values, layer.cumulative_length = state
 
 
@@ -211,16 +232,21 @@ class _Program:
     ``attention_mask`` (2D, the cache's length) and ``position_ids``, and the tokens so far for a repetition
     penalty; each step writes the cache, and the loop sets the next token, marks its column of the mask, adds
     one to the positions and writes the token into the tokens so far, as generate's
-    ``_update_model_kwargs_for_generation`` and its loop do. ``choice``: the logits processors and whether the token is
+    ``_update_model_kwargs_for_generation`` and its loop do. An encoder-decoder model's step takes
+    ``decoder_input_ids`` (the token), the encoder's last hidden state and its ``attention_mask`` (the encoder's,
+    which stays as it is). ``choice``: the logits processors and whether the token is
     drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
-                 choice: tuple, outputs: tuple[str, ...]) -> None:
+                 choice: tuple, outputs: tuple[str, ...], encoder_output_type: type | None = None) -> None:
         from torch._functorch.aot_autograd import aot_export_module
 
         from .backend import decompositions
 
-        step = _Step(model, cache, cache_key, constants, list(inputs), choice, outputs)
+        step = _Step(model, cache, cache_key, constants, list(inputs), choice, outputs, encoder_output_type)
+        self._token_name = _token_name(inputs)
+        # the mask the loop extends by a column a step: a decoder's own (an encoder-decoder's is the encoder's)
+        self._growing_mask = "attention_mask" if self._token_name == "input_ids" else None
         state = [*_layer_tensors(cache), *inputs.values()]
         with torch.no_grad(), _compiling():
             graph_module, signature = aot_export_module(step, state, trace_joint=False,
@@ -249,7 +275,7 @@ class _Program:
                          for name in signature.user_outputs[1:]]
         self._draws = int(choice[1])  # random ops in a step: the draw of the token, if it is drawn
         self._function = graph.pure_function(fold_constants=False, draws=self._draws)
-        self._capacity = cache.layers[0].max_cache_len
+        self._capacity = _layers(cache)[0].max_cache_len
         self._loops = {donate: jax.jit(self._loop, static_argnums=(4, 5), donate_argnums=(1,) if donate else ())
                        for donate in (False, True)}
 
@@ -289,9 +315,10 @@ class _Program:
             tokens = tokens.at[:, count].set(token)
             length = length + 1
             unfinished = unfinished & ~jnp.isin(token, eos) & (length < max_length)
-            state[slots["input_ids"]] = token[:, None]
-            if "attention_mask" in slots:
-                state[slots["attention_mask"]] = state[slots["attention_mask"]].at[:, length - 1].set(1, mode="drop")
+            state[slots[self._token_name]] = token[:, None]
+            if self._growing_mask in slots:
+                state[slots[self._growing_mask]] = state[slots[self._growing_mask]].at[:, length - 1].set(
+                    1, mode="drop")
             if "position_ids" in slots:
                 state[slots["position_ids"]] = state[slots["position_ids"]] + 1
             if _TOKENS in slots:
@@ -303,7 +330,7 @@ class _Program:
         def going(carry: tuple) -> Any:
             return jnp.any(carry[2]) & (carry[0] < jnp.minimum(budget, self._capacity))
 
-        ids = inputs[slots["input_ids"] - len(cache)]
+        ids = inputs[slots[self._token_name] - len(cache)]
         outputs = tuple(jnp.zeros((rows, *shape), dtypes.to_jax(dtype)) for _, shape, dtype in self._outputs)
         start = (jnp.zeros((), jnp.int64), (*cache, *inputs), unfinished, length,
                  jnp.zeros((ids.shape[0], self._capacity), ids.dtype), outputs, jnp.zeros(2, jnp.int64))
@@ -315,7 +342,7 @@ class _Program:
         """Decodes from the first step's ``inputs``, ``chunk`` steps a program run (all of them if ``None``):
         yields the tokens of each run ``(batch, steps)`` and the step's outputs ``(steps, ...)``, on tpu, after
         writing the cache's new state. A model with weights sharded over a mesh runs on the mesh."""
-        input_ids = inputs["input_ids"]
+        input_ids = inputs[self._token_name]
         length, max_length, eos, pad = limits
         pad_finished = pad is not None
         eos = input_ids.new_zeros(0) if eos is None else eos.reshape(-1)
@@ -394,7 +421,8 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     ``None``), each on tpu ``(batch, tokens)`` with the steps' ``outputs`` (``"scores"``, ``"logits"``: see
     :func:`next_tokens`), each ``(tokens, batch, vocabulary)``, the cache written before they come. ``step_inputs``
     are the first decode step's model inputs (``prepare_inputs_for_generation``: the token, the 2D mask padded to
-    the cache's length, maybe the positions, the cache under ``cache_key``, constants), ``unfinished`` the rows
+    the cache's length, maybe the positions, the cache under ``cache_key``, constants; for an encoder-decoder model
+    ``decoder_input_ids``, the encoder's outputs and mask and an ``EncoderDecoderCache``), ``unfinished`` the rows
     still going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
     without an end-of-sequence criterion), ``choice`` the logits processors (of the kinds :func:`choice_key` takes)
     and whether the token is drawn from their softmax (else their argmax).
@@ -403,6 +431,13 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     and records it with :func:`mark_unsupported`).
     """
     tensors = {name: value for name, value in step_inputs.items() if isinstance(value, torch.Tensor)}
+    encoder_output_type = None
+    if step_inputs.get(_ENCODER) is not None:
+        encoder_outputs = step_inputs[_ENCODER]
+        held = {name: value for name, value in encoder_outputs.items() if value is not None}
+        if list(held) != ["last_hidden_state"]:
+            raise NotImplementedError("the encoder's outputs hold more than its last hidden state")
+        tensors[_ENCODER], encoder_output_type = held["last_hidden_state"], type(encoder_outputs)
     constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
     processors, do_sample = choice
     if _reads_tokens(processors):
@@ -413,7 +448,7 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     try:
         key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
                sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing, outputs,
-               _forward_fingerprint(model))
+               encoder_output_type, _forward_fingerprint(model))
         hash(key)
     except TypeError as error:  # an unhashable constant or hook
         raise NotImplementedError(f"the decode step's inputs cannot key a program ({error})") from error
@@ -421,7 +456,8 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     program = graph_lowering._lookup(programs, key)
     if program is None:
         try:
-            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample), outputs)
+            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample), outputs,
+                               encoder_output_type)
         except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
         graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)

@@ -31,7 +31,7 @@ their masks stay outside.
 
 Decoding from such a cache, greedy or sampled, runs every step after the prefill as one program on tpu
 (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
-hands the loop to that program, or, for what it does not serve (logits processors it does not run, per-step
+hands the loop to that program (decoder-only and encoder-decoder models), or, for what it does not serve (logits processors it does not run, per-step
 attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own. Either way the
 model gets transformers' compiled forward (``model._compiled_call``, from ``get_compiled_call``) as it does on any
 device, and a later ``generate`` whose prompt is shorter reuses the program (the cache's bucket is the same): neither
@@ -240,7 +240,7 @@ def _install_in_graph_decode_mask(module: Any) -> None:
 
 
 # the tensors among a decode step's inputs that the one-program loop knows how to carry from step to step
-_STEP_TENSORS = ("input_ids", "attention_mask", "position_ids")
+_STEP_TENSORS = ("input_ids", "decoder_input_ids", "attention_mask", "position_ids")
 # tokens a streamer gets at a time from the one-program loop (a program run each)
 _STREAMED_CHUNK = 8
 # what generate can return per step besides the sequences: what the one-program loop keeps (the option, and the
@@ -249,32 +249,45 @@ _STEP_OUTPUTS = {"output_scores": "scores", "output_logits": "logits"}
 _OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
+def _decoder_static_cache(cache: Any) -> Any:
+    """The static cache generate decodes with: a decoder's ``StaticCache``, or the self-attention half of an
+    ``EncoderDecoderCache`` of two (the cross-attention half written by the prefill, read by each step); ``None``
+    for any other cache, or one with layers other than full-attention ``StaticLayer``s."""
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
+
+    halves = (cache.self_attention_cache, cache.cross_attention_cache) if type(cache) is EncoderDecoderCache \
+        else (cache,)
+    if any(type(half) is not StaticCache or any(type(layer) is not StaticLayer for layer in half.layers)
+           for half in halves):
+        return None
+    return halves[0]
+
+
 def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                            generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
     (:mod:`hf_tpu.compile.decode_loop`): greedy or sampling, on one chip or a mesh, from a static cache of
-    full-attention layers that generate made (not the caller's), which generate would compile the step for;
+    full-attention layers that generate made (not the caller's; an encoder-decoder's pair of them), which generate
+    would compile the step for;
     logits processors the loop runs (temperature, top-k, top-p, repetition penalty, ...), stopping on length and
     end-of-sequence tokens only, the sequences (and with ``return_dict_in_generate`` the cache and maybe each
     step's scores and logits) as the result."""
-    from transformers.cache_utils import StaticCache, StaticLayer
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     from ..compile import decode_loop
 
     cache_key = next((name for name in ("cache", "past_key_values") if name in model_kwargs), None)
     cache = model_kwargs.get(cache_key)
+    decoder_cache = _decoder_static_cache(cache) if cache is not None else None
     if (
         input_ids.device.type != "tpu" or synced_gpus
         or (generation_config.return_dict_in_generate and any(getattr(generation_config, name) for name in _OUTPUTS))
-        or model.config.is_encoder_decoder
         or getattr(generation_config, "is_assistant", False)
         or decode_loop.choice_key(logits_processor, generation_config.do_sample) is None
-        or type(cache) is not StaticCache or getattr(cache, "_is_user_defined", False)
-        or any(type(layer) is not StaticLayer for layer in cache.layers)
+        or decoder_cache is None or getattr(cache, "_is_user_defined", False)
         or not all(type(criterion) in (MaxLengthCriteria, EosTokenCriteria) for criterion in stopping_criteria)
         or stopping_criteria.max_length is None
-        or any(layer.max_cache_len < stopping_criteria.max_length for layer in cache.layers)
+        or any(layer.max_cache_len < stopping_criteria.max_length for layer in decoder_cache.layers)
         or any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items() if name not in _STEP_TENSORS)
         or getattr(model_kwargs.get("attention_mask"), "ndim", 2) != 2
         or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
@@ -319,7 +332,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     cache = kwargs[cache_key]
     stream = torch.tpu.get_rng_state(input_ids.device)  # where the loop from the start draws again, if it must
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
-    kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=False)
+    encoder_decoder = model.config.is_encoder_decoder
+    kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=encoder_decoder)
     choice = (list(logits_processor), generation_config.do_sample)
     chosen = decode_loop.next_tokens(outputs.logits, input_ids, *choice)
     del outputs
@@ -333,12 +347,15 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     step_inputs = model.prepare_inputs_for_generation(sequences, next_sequence_length=1, **kwargs)
     step_inputs["return_dict"] = True
     mask = step_inputs.get("attention_mask")
+    # a decoder's mask covers the cache and grows by a column a step; an encoder-decoder's is the encoder's
+    mask_length = step_inputs["encoder_outputs"][0].shape[1] if encoder_decoder else \
+        _decoder_static_cache(cache).layers[0].max_cache_len
     try:
         if (
             step_inputs.get(cache_key) is not cache
-            or (mask is not None and (mask.ndim != 2 or mask.shape[-1] != cache.layers[0].max_cache_len))
+            or (mask is not None and (mask.ndim != 2 or mask.shape[-1] != mask_length))
             or any(isinstance(value, torch.Tensor) for name, value in step_inputs.items() if name not in _STEP_TENSORS)
-            or not isinstance(step_inputs.get("input_ids"), torch.Tensor)
+            or not isinstance(step_inputs.get("decoder_input_ids" if encoder_decoder else "input_ids"), torch.Tensor)
         ):
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
@@ -365,12 +382,13 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     sequences = torch.cat(tokens, dim=-1)
     if not generation_config.return_dict_in_generate:
         return sequences
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
+    from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerateEncoderDecoderOutput
 
+    output_type = GenerateEncoderDecoderOutput if encoder_decoder else GenerateDecoderOnlyOutput
     # the cache's field: ``cache`` since transformers 5.2x, ``past_key_values`` before
-    field = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+    field = "cache" if "cache" in output_type.__dataclass_fields__ else "past_key_values"
     steps = {name: tuple(torch.cat(pieces).unbind(0)) for name, pieces in per_step.items()}  # one tensor a token
-    return GenerateDecoderOnlyOutput(sequences=sequences, **steps, **{field: cache})
+    return output_type(sequences=sequences, **steps, **{field: cache})
 
 
 def _install_decode_in_one_program(mixin: Any) -> None:
