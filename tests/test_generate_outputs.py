@@ -98,6 +98,35 @@ def test_encoder_decoder_decodes_in_one_program_as_on_cpu(padded):
     assert compile_stats()["decode_loops"] == 1
 
 
+def _tiny_bart():
+    config = transformers.BartConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                                     decoder_ffn_dim=37, max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                                     eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    torch.manual_seed(0)
+    return transformers.BartForConditionalGeneration(config).eval(), torch.randint(3, 99, (2, 7))
+
+
+def _tiny_whisper():
+    config = transformers.WhisperConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
+                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,
+                                        decoder_ffn_dim=37, num_mel_bins=16, max_source_positions=30,
+                                        max_target_positions=40, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None)
+    torch.manual_seed(0)
+    return transformers.WhisperForConditionalGeneration(config).eval(), torch.randn(2, 16, 60)
+
+
+@pytest.mark.parametrize("make", [_tiny_bart, _tiny_whisper], ids=["bart", "whisper"])
+def test_other_encoder_decoders_decode_in_one_program_as_on_cpu(make):
+    from hf_tpu.compile import compile_stats
+
+    model, inputs = make()
+    _compare_generate(model, inputs, max_new_tokens=6, do_sample=False, cache_implementation="static",
+                      return_dict_in_generate=True, output_scores=True)
+    assert compile_stats()["decode_loops"] == 1
+
+
 def test_encoder_decoder_sampling_in_one_program_draws_as_transformers_loop():
     """A seeded draw (top-k, repetition penalty) gives the tokens and scores of transformers' own loop on tpu
     (``HF_TPU_STEPWISE_DECODE=1``), which draws from the same device stream."""
