@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
@@ -154,7 +154,8 @@ def attention_case(mask: str, heads: str, context: str = "default") -> Case:
 
     args = (_Q, *_KV[heads]) + (() if mask_tensor is None else (mask_tensor,))
     per_sample_mask = mask_tensor is not None and mask_tensor.dim() == 4
-    return Case(attention, args, differentiable=(0, 1, 2), in_dims=(0, 0, 0, 0 if per_sample_mask else None)[:len(args)],
+    in_dims = (0, 0, 0, 0 if per_sample_mask else None)[:len(args)]
+    return Case(attention, args, differentiable=(0, 1, 2), in_dims=in_dims,
                 cpu_context=lambda: sdpa_kernel([SDPBackend.MATH]))
 
 

@@ -31,8 +31,9 @@ their masks stay outside.
 
 Decoding from such a cache, greedy or sampled, runs every step after the prefill as one program on tpu
 (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
-hands the loop to that program (decoder-only and encoder-decoder models), or, for what it does not serve (logits processors it does not run, per-step
-attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own. Either way the
+hands the loop to that program (decoder-only and encoder-decoder models), or, for what it does not serve (logits
+processors it does not run, per-step attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``),
+runs transformers' own. Either way the
 model gets transformers' compiled forward (``model._compiled_call``, from ``get_compiled_call``) as it does on any
 device, and a later ``generate`` whose prompt is shorter reuses the program (the cache's bucket is the same): neither
 Dynamo nor XLA compiles again.
