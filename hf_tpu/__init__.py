@@ -10,7 +10,7 @@ autoload, except on a machine with NVIDIA GPUs: see :mod:`hf_tpu._autoload`) reg
 import torch  # noqa: F401  (first: if torch autoloads hf_tpu, it does so before .backend is half-imported)
 
 from . import _autoload
-from .backend import register
+from .registration import register
 
 if not _autoload.imported_by_torch_autoload():  # under autoload, torch calls _autoload.load() itself
     _autoload.register_or_warn()
@@ -34,4 +34,4 @@ def __getattr__(name: str) -> object:
 
 __all__ = ["distribute", "export", "from_jax", "jax_op", "mesh", "placement", "register", "shard", "sharding_of",
            "to_jax", "tp_plans"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

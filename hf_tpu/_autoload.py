@@ -29,7 +29,7 @@ def load() -> None:
 
 def register_or_warn() -> None:
     try:
-        from .backend import register
+        from .registration import register
 
         register()
     except Exception as error:  # noqa: BLE001  (any failure must not break `import torch`)

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .backend import device_module, dtypes, runtime, storage
+from .backend import dtypes, runtime, storage
+from .backend.devices import device_count, index_of
 
 Devices = Union[Sequence[Union[torch.device, str, int]], Mesh, None]
 Spec = Union[PartitionSpec, Sequence[Union[str, Sequence[str], None]], None]
@@ -51,7 +52,7 @@ def mesh(devices: Sequence[torch.device | str | int] | None = None, shape: Seque
          axis_names: Sequence[str] = ("chips",)) -> Mesh:
     """A ``jax.sharding.Mesh`` of tpu chips (default: all of them, in index order) of ``shape`` (default:
     one axis), whose axes are named ``axis_names``."""
-    indices = range(device_module.device_count()) if devices is None else [device_module._index(d) for d in devices]
+    indices = range(device_count()) if devices is None else [index_of(d) for d in devices]
     indices = list(indices)
     if not indices:
         raise ValueError("a mesh needs at least one tpu device; pass e.g. devices=['tpu:0', 'tpu:1']")

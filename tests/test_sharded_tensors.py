@@ -305,13 +305,13 @@ def case_memory_allocated_per_chip():
 
 
 def case_synchronize_waits_for_sharded_work():
-    from hf_tpu.backend import storage
+    from hf_tpu.backend import completion, storage
 
     t = hf_tpu.distribute(torch.randn(64, 64), spec=ROWS)
     result = t @ t @ t
     array = storage.buffer_of(result).array
     for chip in range(4):
-        assert any(newest is array for newest in storage.newest(chip)), chip
+        assert any(newest is array for newest in completion.newest(chip)), chip
     torch.tpu.synchronize(3)
     assert array.is_ready()
 

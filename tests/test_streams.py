@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_offloading import _run_unet, _unet, unet_on_tpu_output, unet_weights  # noqa: F401  (fixtures)
 
-from hf_tpu.backend import storage, streams
+from hf_tpu.backend import completion, storage, streams
 
 MATRIX = 1024  # a chain of CHAIN matmuls of this size keeps the device busy for well over 0.1 s
 CHAIN = 12
@@ -138,7 +138,7 @@ def test_a_stream_tracks_the_work_issued_while_it_is_current(side):
     assert not side.query() and not event.query()  # the chain takes far longer than queueing it
     side.synchronize()
     assert side.query() and event.query() and array_of(result).is_ready()
-    assert storage.stream_tracker is None  # no side stream current: the default path is untouched
+    assert completion.stream_tracker is None  # no side stream current: the default path is untouched
 
 
 def test_default_stream_and_synchronize_cover_transfers_after_compute():

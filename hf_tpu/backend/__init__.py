@@ -1,11 +1,8 @@
-"""The ``tpu`` PyTorch device, implemented in Python over JAX/XLA.
+"""The ``tpu`` PyTorch device, implemented in Python over JAX/XLA: the floor every other layer stands on.
 
-Layout: :mod:`registration` (PrivateUse1 rename, hooks, guard, patches), :mod:`device_module`
-(``torch.tpu``), :mod:`runtime` (which JAX devices back the chips), :mod:`storage` and
-:mod:`strided` (storage model and views), :mod:`dtypes`, :mod:`dispatch` (the op table) and
-:mod:`ops` (lowerings by family).
+Layout: :mod:`runtime` (which JAX devices back the chips), :mod:`devices` (device count, the current
+device, memory), :mod:`storage` and :mod:`strided` (storage model and views), :mod:`dtypes`,
+:mod:`dispatch` (schema reading and kernels), :mod:`op_table` (the table installed as PrivateUse1
+kernels), :mod:`ops` (lowerings by family) and the hooks :mod:`hf_tpu.registration` installs. Nothing here
+imports a layer above (``compile``, ``distributed``, ``kernels``, ``integrations``, ``torch.tpu``).
 """
-
-from .registration import register
-
-__all__ = ["register"]

@@ -48,18 +48,24 @@ def new_address(nbytes: int, device_index: int, materialized: bool) -> int:
     if nbytes <= SLOT:
         address = next(_slots) * SLOT
     else:
-        address = _large_address(nbytes, device_index)
+        address = _large_address(nbytes)
     if materialized:
         allocated(device_index, nbytes)
     return address
 
 
-def _large_address(nbytes: int, device_index: int) -> int:
+class TooLarge(RuntimeError):
+    """A request larger than any chip holds, refused before XLA tries (the op's kernel raises it as
+    ``torch.OutOfMemoryError``: :func:`hf_tpu.backend.out_of_memory.raise_if_out_of_memory`)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"RESOURCE_EXHAUSTED: Out of memory allocating {nbytes} bytes.")
+
+
+def _large_address(nbytes: int) -> int:
     global _next_large
     if nbytes > LARGEST_ALLOCATION:
-        from .out_of_memory import too_large_error
-
-        raise too_large_error(nbytes, device_index)
+        raise TooLarge(nbytes)
     with _lock:
         address = _next_large
         _next_large = address + -(-nbytes // _ALIGNMENT) * _ALIGNMENT

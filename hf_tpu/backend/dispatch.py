@@ -18,16 +18,16 @@ Lowerings are plain JAX functions so that graph mode can lower whole FX graphs w
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jax
 import torch
+from torch.utils._pytree import tree_map
 
-from . import checks, device_module, dtypes, fallback, fused, runtime, storage, tpu_lowering
-from . import guard
+from . import checks, devices, dtypes, fused, runtime, storage, tpu_lowering
+from . import forks
 from .out_of_memory import raise_if_out_of_memory
 
 _TENSOR, _OPT_TENSOR, _TENSOR_LIST, _SCALAR, _STATIC = range(5)
@@ -346,6 +346,20 @@ def _scalar_array(value: Any, wide: bool) -> Any:
     return array
 
 
+def cpu_copies(args: tuple, kwargs: dict) -> tuple[Any, Any, list[torch.device]]:
+    """``args`` and ``kwargs`` with each tpu tensor (in lists too) replaced by a CPU copy, and the devices of those
+    tensors."""
+    devices = []
+
+    def to_cpu(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.device.type == "tpu":
+            devices.append(value.device)
+            return value.cpu()
+        return value
+
+    return tree_map(to_cpu, args), tree_map(to_cpu, kwargs), devices
+
+
 def _refuse_as_cpu_does(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
     """Raises CPU's error if the op, run on CPU copies of its arguments, refuses a Scalar it cannot convert to
     the type it computes in ("value cannot be converted to type int8_t without overflow": ``fill_(300)`` on
@@ -353,7 +367,7 @@ def _refuse_as_cpu_does(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     converts its Scalar so (``fill_``, ``masked_fill``, ``clamp``, ``alpha``) or wraps it into a tensor first
     (``eq(x, 300)``, ``add(x, 300)``) is the CPU kernel's choice, so only a run of it tells; this is done only for
     a number that overflows an input's dtype. Any other error of the CPU run is left to the op itself."""
-    args, kwargs, _ = fallback.cpu_copies(args, kwargs)
+    args, kwargs, _ = cpu_copies(args, kwargs)
     if "device" in kwargs:  # a factory's (kwarg-only in every ATen schema)
         kwargs["device"] = "cpu"
     try:
@@ -549,8 +563,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             raise RuntimeError(f"{op_name}: {error}") from error
 
     def run(*args, **kwargs):
-        if guard.forked:
-            raise RuntimeError(guard.FORK_MESSAGE)
+        if forks.forked:
+            raise RuntimeError(forks.FORK_MESSAGE)
         reader = None
         try:
             if plain and fused.ON and not kwargs:
@@ -654,7 +668,7 @@ def _device_of(reader: _Inputs, bound: list, device_arg: int | None) -> int:
     """The chip an op runs on: its inputs', or for a factory the one its ``device`` names."""
     if reader.device_index is not None:
         return reader.device_index
-    return device_module._index(bound[device_arg] if device_arg is not None else None)
+    return devices.index_of(bound[device_arg] if device_arg is not None else None)
 
 
 def eager_program_count() -> int:
@@ -706,42 +720,3 @@ def _wrap(array: Any, device_index: int) -> torch.Tensor | None:
     if array is None:
         return None
     return storage.wrap(array, dtypes.to_torch(array.dtype), device_index)
-
-
-class Table:
-    """Installs the op table as PrivateUse1 kernels, once, on first use of the device."""
-
-    def __init__(self) -> None:
-        self.installed: frozenset[str] = frozenset()
-        self._libraries: dict[str, torch.library.Library] = {}
-        self._lock = threading.Lock()
-
-    def install(self) -> None:
-        if self._libraries:
-            return
-        with self._lock:  # transformers loads weights from several threads at once
-            if self._libraries:
-                return
-            from . import ops  # noqa: F401  (importing the op modules fills LOWERINGS and CUSTOM_KERNELS)
-
-            libraries: dict[str, torch.library.Library] = {}
-            installed = set()
-            kernels = [(name, guard.guarded(fn)) for name, fn in CUSTOM_KERNELS.items()] + [
-                # a hand-written kernel serves eager; its lowering, graphs
-                (name, build_kernel(resolve(name), entry)) for name, entry in LOWERINGS.items()
-                if name not in CUSTOM_KERNELS
-            ]
-            for name, fn in kernels:
-                op = resolve(name)
-                if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-                    # A backend kernel would replace the decomposition under autograd and lose gradients.
-                    raise RuntimeError(f"{op.name()} is CompositeImplicitAutograd: lower what it decomposes into")
-                if op.namespace not in libraries:
-                    libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
-                libraries[op.namespace].impl(op, fn, "PrivateUse1")
-                installed.add(op.name())
-            self.installed = frozenset(installed)
-            self._libraries = libraries
-
-
-TABLE = Table()

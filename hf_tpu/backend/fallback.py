@@ -35,7 +35,7 @@ def _in_progress() -> set[str]:
 
 
 def _fallback(op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Any:
-    from .dispatch import TABLE
+    from .op_table import TABLE
 
     TABLE.install()
     name = op.name()
@@ -89,20 +89,6 @@ def _missing(op: torch._ops.OpOverload) -> NotImplementedError:
     )
 
 
-def cpu_copies(args: tuple, kwargs: dict) -> tuple[Any, Any, list[torch.device]]:
-    """``args`` and ``kwargs`` with each tpu tensor (in lists too) replaced by a CPU copy, and the devices of those
-    tensors."""
-    devices = []
-
-    def to_cpu(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.device.type == "tpu":
-            devices.append(value.device)
-            return value.cpu()
-        return value
-
-    return tree_map(to_cpu, args), tree_map(to_cpu, kwargs), devices
-
-
 def _on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """Runs ``op`` on CPU copies of its tpu tensors; mutated arguments and results come back."""
     if op.name() not in _warned:
@@ -112,6 +98,8 @@ def _on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             "This copies its tensors to the host and back.",
             stacklevel=2,
         )
+    from .dispatch import cpu_copies
+
     cpu_args, cpu_kwargs, devices = cpu_copies(args, kwargs)
     result = op(*cpu_args, **cpu_kwargs)
     device = devices[0] if devices else torch.device("tpu", 0)

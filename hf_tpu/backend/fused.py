@@ -47,7 +47,7 @@ import jax.extend
 import numpy as np
 import torch
 
-from . import checks, engine_hooks, runtime, storage, tpu_lowering
+from . import checks, completion, engine_hooks, runtime, tpu_lowering
 from .out_of_memory import raise_if_out_of_memory
 
 MODES = runtime.EAGER_MODES
@@ -78,7 +78,8 @@ _REMEMBERED = 16 * PROGRAM_CACHE_SIZE
 class Lazy:
     """A value of the chain being recorded: output ``slot`` of it, with the shape and dtype it will have.
 
-    Stored by a :class:`storage.Buffer` as its ``pending`` contents; ``array`` is set when the chain runs.
+    Stored by a :class:`~hf_tpu.backend.storage.Buffer` as its ``pending`` contents; ``array`` is set when the
+    chain runs.
     """
 
     __slots__ = ("slot", "shape", "dtype", "size", "signature", "sharding", "array", "chain", "__weakref__")
@@ -288,7 +289,7 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     found.work = 0 if found.fusible else sum(leaf[3] for leaf in found.leaves)
     found.may_fail = _may_fail(traced.jaxpr.jaxpr)
     _traces[fn, signature] = found
-    if len(_traces) > storage.PROGRAMS_PER_CACHE:
+    if len(_traces) > runtime.PROGRAMS_PER_CACHE:
         _traces.popitem(last=False)
     return found
 
@@ -452,7 +453,7 @@ def records_kernels() -> bool:
 def apply(fn: Callable, name: str, device: int, *args: Any) -> Any:
     """``fn(*args)`` for a jitted storage program (a view read or write, a cast): recorded in fused eager mode
     when every argument is on one chip (a value of the chain is), as an op of the op table is; else run now."""
-    if ON and all(arg.__class__ is Lazy or type(arg.sharding) is storage.ONE_CHIP for arg in args):
+    if ON and all(arg.__class__ is Lazy or type(arg.sharding) is jax.sharding.SingleDeviceSharding for arg in args):
         return record(fn, args, name, device, pair=False)
     return fn(*(concrete(arg) for arg in args))
 
@@ -521,7 +522,7 @@ def _run(chain: _Chain) -> None:
     _release(chain)
     if outputs:
         chain.finished = outputs[-1]
-        storage.computed(outputs[-1], chain.device)
+        completion.computed(outputs[-1], chain.device)
     if check is not None:
         checks.defer(check, chain.device)
 

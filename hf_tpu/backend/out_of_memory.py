@@ -14,6 +14,9 @@ import re
 
 import torch
 
+from . import allocator, devices, runtime
+from .allocator import TooLarge
+
 _REQUESTED = (
     re.compile(r"allocat\w* (\d+) bytes"),  # CPU and GPU platforms
     re.compile(r"allocate (\d+(?:\.\d+)?)\s*([KMGTP]i?B?)?"),  # TPU: "Attempting to allocate 4.00T"
@@ -47,13 +50,6 @@ def requested_bytes(message: str) -> int | None:
     return None
 
 
-class TooLarge(RuntimeError):
-    """A result larger than any chip holds, refused while its op is traced (before XLA tries)."""
-
-    def __init__(self, nbytes: int) -> None:
-        super().__init__(f"RESOURCE_EXHAUSTED: Out of memory allocating {nbytes} bytes.")
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     """XLA's RESOURCE_EXHAUSTED, or an asynchronous program's failed allocation found later."""
     if isinstance(error, TooLarge):
@@ -66,27 +62,19 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def out_of_memory_error(error: BaseException, device_index: int) -> torch.OutOfMemoryError:
     """The ``torch.OutOfMemoryError`` for XLA's ``error`` on ``tpu:device_index``, worded like CUDA's."""
-    from . import device_module, runtime
-
     message = str(error)
     requested = requested_bytes(message)
-    free, total = device_module.mem_get_info(device_index)
+    free, total = devices.mem_get_info(device_index)
     platform = runtime.backing_platform()
     where = f"tpu:{device_index}" + ("" if platform == "tpu" else f" (JAX's {platform} platform)")
     tried = f" Tried to allocate {format_bytes(requested)}." if requested is not None else ""
     return torch.OutOfMemoryError(
         f"tpu out of memory.{tried} {where} has a total capacity of {format_bytes(total)} of which "
-        f"{format_bytes(free)} is free; {format_bytes(device_module.memory_allocated(device_index))} is "
+        f"{format_bytes(free)} is free; {format_bytes(allocator.current(device_index))} is "
         "allocated by tpu tensors. Free what is no longer needed (del tensors, gc.collect()), use a smaller "
         "batch or sequence length, keep weights in bfloat16, or offload them (device_map='auto' with "
         f"max_memory). XLA said: {message.splitlines()[0]}"
     )
-
-
-def too_large_error(nbytes: int, device_index: int) -> torch.OutOfMemoryError:
-    """A request larger than any device holds (refused before asking XLA)."""
-    return out_of_memory_error(RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory allocating {nbytes} bytes."),
-                               device_index)
 
 
 def raise_if_out_of_memory(error: BaseException, device_index: int) -> None:

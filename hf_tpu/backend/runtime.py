@@ -31,6 +31,9 @@ VARIABLES = ("HF_TPU_PLATFORM", "HF_TPU_NUM_DEVICES", "HF_TPU_CACHE_DIR", "HF_TP
              "HF_TPU_LOG_RECOMPILES", "HF_TPU_STRICT_COMPILE", "HF_TPU_CHECK_TPU_LOWERING", "HF_TPU_PALLAS",
              "HF_TPU_EAGER_MODE", "HF_TPU_STEPWISE_DECODE")
 EAGER_MODES = ("strict", "fused", "debug")
+# Per-geometry programs are bounded (least recently used evicted): a long run with ever new shapes
+# must not grow memory without end.
+PROGRAMS_PER_CACHE = 1024
 
 
 def flag(name: str) -> bool:
@@ -217,7 +220,7 @@ def devices() -> tuple[Any, ...]:
                 f"HF_TPU_NUM_DEVICES={count} but the {found[0].platform} platform has only {len(found)} devices."
             )
         found = found[:count]
-    from .guard import watch_forks
+    from .forks import watch_forks
 
     watch_forks()
     for callback in _FIRST_USE:

@@ -14,14 +14,15 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import allocator, dlpack_alloc, dtypes, fused, runtime, strided, tpu_lowering
+from . import allocator, completion, dlpack_alloc, dtypes, fused, runtime, strided, tpu_lowering
+from .completion import _latest, _transfers
 
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
@@ -29,40 +30,6 @@ _CHIP_0 = torch.device("tpu", 0)
 # UntypedStorage._swap_data_ptr_ first appeared in torch 2.12; without it every tensor is built
 # through DLPack (dlpack_alloc), which the fast path below only shortcuts.
 _CAN_SWAP = hasattr(torch._C.StorageBase, "_swap_data_ptr_")
-
-
-# A chip runs its programs in the order they were issued, so waiting for the newest computed array waits
-# for all queued compute. Host-to-device transfers run beside that queue, so the newest one is kept too.
-_latest: dict[int, Any] = {}
-_transfers: dict[int, Any] = {}
-# Set by streams.py while some thread has a non-default stream current: records each computed array on it.
-stream_tracker: Callable[[Any, int], None] | None = None
-
-
-def is_latest(array: Any) -> int:
-    """How many of the newest-array records (which :func:`wait_for_pending` holds) hold ``array``."""
-    return sum(newest is array for newest in (*_latest.values(), *_transfers.values()))
-
-
-def newest(device_index: int) -> tuple:
-    """The newest computed array and the newest transferred array of a device, those that exist:
-    waiting for both waits for all the work queued on it. One donated to a program since (a compiled graph's,
-    which wrote its results into its memory) is left out: that program read it, and its results, recorded here
-    when it ran, are waited for instead."""
-    return tuple(a for a in (_latest.get(device_index), _transfers.get(device_index))
-                 if a is not None and not a.is_deleted())
-
-
-def computed(array: Any, device_index: int) -> None:
-    """Records ``array`` as the newest computed on a device (see :func:`newest`)."""
-    _latest[device_index] = array
-    if stream_tracker is not None:
-        stream_tracker(array, device_index)
-
-
-def wait_for_pending(device_index: int) -> None:
-    for array in newest(device_index):
-        array.block_until_ready()
 
 
 class Buffer:
@@ -100,8 +67,8 @@ class Buffer:
                 _transfers[device_index] = array
             else:
                 _latest[device_index] = array
-                if stream_tracker is not None:
-                    stream_tracker(array, device_index)
+                if completion.stream_tracker is not None:
+                    completion.stream_tracker(array, device_index)
             if self.shards is not None:
                 _record_on_chips(array, self.shards, transfer)
 
@@ -151,8 +118,8 @@ class Buffer:
             _transfers[self.device_index] = array
         else:
             _latest[self.device_index] = array
-            if stream_tracker is not None:
-                stream_tracker(array, self.device_index)
+            if completion.stream_tracker is not None:
+                completion.stream_tracker(array, self.device_index)
         if self.shards is not None:
             _record_on_chips(array, self.shards, transfer)
 
@@ -286,9 +253,7 @@ def _empty_array(dtype: Any, device_index: int) -> Any:
     return _zeros_program(0, dtype, device_index)()
 
 
-# Per-geometry programs are bounded (least recently used evicted): a long run with ever new shapes
-# must not grow memory without end.
-PROGRAMS_PER_CACHE = 1024
+PROGRAMS_PER_CACHE = runtime.PROGRAMS_PER_CACHE
 
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)

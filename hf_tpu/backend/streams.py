@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import device_module
+from . import completion, devices
 
 _PRIVATE_USE1 = int(torch._C._autograd.DeviceType.PrivateUse1)
 _stream_ids = itertools.count(1)  # 0 is each device's default stream
@@ -54,7 +54,7 @@ def _done(marker: Any) -> bool:
 
 def _wait(markers: Iterable[Any], device_index: int) -> None:
     """Waits for each marker (a queued copy or a JAX array); errors are raised as ``synchronize`` does."""
-    from .guard import check_not_forked
+    from .forks import check_not_forked
     from .out_of_memory import raise_if_out_of_memory
 
     check_not_forked()  # a forked child has no worker threads: its copies would never complete
@@ -78,7 +78,7 @@ class Stream(torch._C.Stream):
     def __new__(cls, device: Any = None, priority: int = 0) -> Stream:
         if not isinstance(priority, int):
             raise TypeError(f"Stream priority must be an int, got {type(priority).__name__}")
-        return _create(cls, device_module._index(device), next(_stream_ids), priority)
+        return _create(cls, devices.index_of(device), next(_stream_ids), priority)
 
     def __repr__(self) -> str:
         return f"<torch.tpu.Stream device=tpu:{self.device_index} stream_id={self.stream_id}>"
@@ -132,13 +132,11 @@ class Stream(torch._C.Stream):
         stream, the ops fused eager mode recorded, which run when the marker is asked (so that recording an event
         runs nothing: ``generate`` records one after each token's flag copy), not now."""
         if self._worker is None:
-            from . import storage
-
             fused = _fused_on()
             recorded = None if fused is None else fused.recorded()
             pending = () if recorded is None else (recorded,)
             copies = () if self._last_copy is None else (self._last_copy,)
-            return (*storage.newest(self.device_index), *pending, *self._waits, *copies)
+            return (*completion.newest(self.device_index), *pending, *self._waits, *copies)
         _run_recorded()
         return tuple(marker for marker in (self._last_copy, self._computed) if marker is not None)
 
@@ -160,7 +158,7 @@ def _create(cls: type, device_index: int, stream_id: int, priority: int) -> Stre
 
 def default_stream(device: Any = None) -> Stream:
     """The default stream of a tpu device (the current device if None)."""
-    index = device_module._index(device)
+    index = devices.index_of(device)
     stream = _defaults.get(index)
     if stream is None:
         with _lock:
@@ -171,7 +169,7 @@ def default_stream(device: Any = None) -> Stream:
 
 def current_stream(device: Any = None) -> Stream:
     """The calling thread's current stream of a tpu device (the current device if None)."""
-    index = device_module._index(device)
+    index = devices.index_of(device)
     stream = getattr(_local, "current", {}).get(index)
     return default_stream(index) if stream is None else stream
 
@@ -189,11 +187,9 @@ def set_stream(stream: torch.Stream | None) -> None:
     current[stream.device_index] = stream
     change = (stream._worker is not None) - (previous is not None and previous._worker is not None)
     if change:
-        from . import storage
-
         with _lock:
             _side_streams_current += change
-            storage.stream_tracker = _track if _side_streams_current else None
+            completion.stream_tracker = _track if _side_streams_current else None
 
 
 def _fused_on() -> Any:
@@ -211,7 +207,7 @@ def _run_recorded() -> None:
 
 
 def _track(array: Any, device_index: int) -> None:
-    """``storage.stream_tracker``: records a computed array on the thread's current stream."""
+    """``completion.stream_tracker``: records a computed array on the thread's current stream."""
     stream = getattr(_local, "current", {}).get(device_index)
     if stream is not None and stream._worker is not None:
         stream._computed = array

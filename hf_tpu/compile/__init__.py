@@ -35,7 +35,7 @@ def _on_tpu(inputs: list) -> bool:
 
 def install() -> None:
     """Graph mode's hooks into torch, applied at device registration (without importing Dynamo)."""
-    from ..integrations import when_imported
+    from .._import_hooks import when_imported
 
     from . import frozen_heap
 

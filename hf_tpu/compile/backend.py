@@ -31,11 +31,21 @@ def decompositions() -> dict[Any, Callable]:
 _warned: set[str] = set()
 
 
+def lower(graph_module: torch.fx.GraphModule) -> graph_lowering.CompiledGraph:
+    """Lowers an ATen graph; raises ``NotImplementedError`` naming the first op without a lowering. A graph
+    with collectives (``tpu_dist``) runs as one program over its group's mesh (:mod:`.graph_collectives`)."""
+    from . import graph_collectives  # torch.distributed, imported by the first graph
+
+    if graph_collectives.has_collectives(graph_module):
+        return graph_collectives.CollectiveGraph(graph_module)
+    return graph_lowering.CompiledGraph(graph_module)
+
+
 def _lower(graph_module: torch.fx.GraphModule) -> Callable:
     """One XLA program for the graph, or, if an operator has no graph-mode lowering, the graph run
     eagerly op by op (each op still on the device) after a one-time warning naming the operator."""
     try:
-        return graph_lowering.lower(graph_module)
+        return lower(graph_module)
     except NotImplementedError as error:
         if runtime.flag("HF_TPU_STRICT_COMPILE"):
             raise

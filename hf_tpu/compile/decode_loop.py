@@ -241,7 +241,7 @@ class _Program:
                  choice: tuple, outputs: tuple[str, ...], encoder_output_type: type | None = None) -> None:
         from torch._functorch.aot_autograd import aot_export_module
 
-        from .backend import decompositions
+        from .backend import decompositions, lower
 
         step = _Step(model, cache, cache_key, constants, list(inputs), choice, outputs, encoder_output_type)
         self._token_name = _token_name(inputs)
@@ -253,7 +253,7 @@ class _Program:
                                                         decompositions=decompositions())
         if signature.buffers_to_mutate:
             raise NotImplementedError(f"the decode step updates buffers ({', '.join(signature.buffers_to_mutate)})")
-        graph = graph_lowering.lower(graph_module)
+        graph = lower(graph_module)
         placeholders = [node.name for node in graph_module.graph.nodes if node.op == "placeholder"]
         weights = placeholders[:len(placeholders) - len(state)]
         self._weights = [(signature.inputs_to_parameters[name], "PARAMETER") if name in signature.inputs_to_parameters

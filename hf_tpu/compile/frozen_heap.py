@@ -33,9 +33,9 @@ def register() -> None:
 
 def _freeze(args: Any) -> None:
     global _frozen_here
-    from ..backend import dispatch
+    op_table = sys.modules.get("hf_tpu.backend.op_table")  # not imported: the device has run no op yet
 
-    if dispatch.TABLE.installed and gc.isenabled() and gc.get_freeze_count() == 0:
+    if op_table is not None and op_table.TABLE.installed and gc.isenabled() and gc.get_freeze_count() == 0:
         gc.freeze()
         _frozen_here = True
 

@@ -27,9 +27,9 @@ from torch import fx
 from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
+from ..backend import checks, completion, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
 from ..backend.ops.memory import to_device
-from ..backend.guard import check_not_forked
+from ..backend.forks import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
 from . import fast_call, recompiles
@@ -427,7 +427,7 @@ def donatable(tensor: torch.Tensor, array: Any, arrays: list) -> bool:
     The caller must hold ``array`` only in ``arrays`` and in the one variable it passes here."""
     if tensor.device.type != "tpu" or storage.buffer_of(tensor).array is not array:
         return False
-    references = sys.getrefcount(array) - storage.is_latest(array)
+    references = sys.getrefcount(array) - completion.is_latest(array)
     return references <= _OWNED_REFERENCES and sum(map(operator.is_, arrays, itertools.repeat(array))) == 1
 
 
@@ -501,13 +501,3 @@ def _dense_layout(value: torch.Tensor) -> tuple[int, ...] | None:
             return None
         expected *= shape[dim]
     return order
-
-
-def lower(graph_module: fx.GraphModule) -> CompiledGraph:
-    """Lowers an ATen graph; raises ``NotImplementedError`` naming the first op without a lowering. A graph
-    with collectives (``tpu_dist``) runs as one program over its group's mesh (:mod:`.graph_collectives`)."""
-    from . import graph_collectives
-
-    if graph_collectives.has_collectives(graph_module):
-        return graph_collectives.CollectiveGraph(graph_module)
-    return CompiledGraph(graph_module)

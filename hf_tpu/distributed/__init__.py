@@ -20,7 +20,7 @@ BACKEND = "tpu_dist"
 
 def _create(options: Any, backend_options: Any) -> Any:
     """c10d's creator for ``tpu_dist`` (extended API: ``options`` is a ``_DistributedBackendOptions``)."""
-    from ..backend import device_module
+    from ..backend import devices
     from . import data_parallel, runtime
     from .process_group import TpuProcessGroup
 
@@ -29,7 +29,7 @@ def _create(options: Any, backend_options: Any) -> Any:
         data_parallel.install()
         # The process's chips are known now. DeviceMesh would otherwise pick chip LOCAL_RANK of an uninitialized
         # device, while each process drives its own chip as tpu:0.
-        device_module.device_count()
+        devices.device_count()
     return TpuProcessGroup(options.store, options.group_rank, options.group_size, options.timeout,
                            options.global_ranks_in_group)
 

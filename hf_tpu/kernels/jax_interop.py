@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..backend import dispatch, dtypes, runtime, storage, tpu_lowering
-from ..backend.guard import check_not_forked
+from ..backend.forks import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
 from ..compile import graph_lowering, graph_ops
 

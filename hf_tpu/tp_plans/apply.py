@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import sharding, tp_plans
-from ..backend import device_module
+from ..backend.devices import device_count, index_of
 
 
 def shard(model: torch.nn.Module, tp_size: int | None = None, plan: tp_plans.PlanArg = "auto",
@@ -64,7 +64,7 @@ def local_chips(count: int | None, devices: Sequence[torch.device | str | int] |
     equal groups; an error saying what to change if there are not that many."""
     if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
         raise ValueError(f"tp_size must be a positive int (the number of chips to split over), got {count!r}")
-    available = device_module.device_count()
+    available = device_count()
     asked = "tp_size" if dp_size == 1 else "tp_size x dp_size"
     if devices is None:
         wanted = available if count is None else count
@@ -74,7 +74,7 @@ def local_chips(count: int | None, devices: Sequence[torch.device | str | int] |
                              "HF_TPU_NUM_DEVICES=N before importing torch gives N virtual chips)")
         chips = [torch.device("tpu", index) for index in range(wanted)]
     else:
-        chips = [torch.device("tpu", device_module._index(device)) for device in devices]
+        chips = [torch.device("tpu", index_of(device)) for device in devices]
         if count is not None and count != len(chips):
             raise ValueError(f"{asked}={count} but {len(chips)} devices were given: pass as many devices, or "
                              "only one of the two")

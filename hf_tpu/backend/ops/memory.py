@@ -15,15 +15,15 @@ import torch
 from jax._src import core
 from jax._src.interpreters import pxla
 
-from .. import checks, device_module, dtypes, fused, pinned, runtime, storage, streams
+from .. import checks, devices, dtypes, fused, pinned, runtime, storage, streams
 from ..dispatch import check_no_internal_overlap, device_mismatch, kernel, lowering
 
 
 def _index(device: Any) -> int:
     if device is None:
-        return device_module.current_device()
+        return devices.current_device()
     index = torch.device(device).index
-    return device_module.current_device() if index is None else device_module._index(index)
+    return devices.current_device() if index is None else devices.index_of(index)
 
 
 _CHANNELS_LAST_STRIDES = {

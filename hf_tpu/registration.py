@@ -28,10 +28,10 @@ def register() -> None:
                 f"PrivateUse1 is already renamed to {name!r} (another backend such as torchax is loaded); "
                 "hf_tpu needs it as 'tpu'. Use one PrivateUse1 backend per process."
             )
-        from .. import compile as graph_mode
-        from .. import distributed, integrations
-        from ..kernels import torch_tpu_shim
-        from . import autocast, device_module, engine_hooks, fallback, module_conversion, pinned
+        from . import compile as graph_mode
+        from . import device_module, distributed, integrations
+        from .backend import autocast, engine_hooks, fallback, module_conversion, pinned
+        from .kernels import torch_tpu_shim
 
         if name != "tpu":
             torch.utils.rename_privateuse1_backend("tpu")
@@ -142,7 +142,7 @@ def _patch_storage_resize() -> None:
         if self.device.type != "tpu":
             return _storage_resize(self, size)
         if size == 0:
-            from . import storage
+            from .backend import storage
 
             storage.buffer_of(torch.empty(0, dtype=torch.uint8, device=self.device).set_(self)).release()
         elif size != self.nbytes():

@@ -1,0 +1,144 @@
+"""Device state: which tpu chips there are, which one is current, and their memory.
+
+The floor of ``torch.tpu`` (:mod:`hf_tpu.device_module`), kept here so that the layers below the facade
+(storage, streams, dispatch, the op families) can resolve a device index without importing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any
+
+import torch
+
+from . import runtime
+
+_local = threading.local()
+_initialized = False
+
+
+def index_of(device: Any = None) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        index = device
+    else:
+        device = torch.device(device)
+        if device.type != "tpu":
+            raise ValueError(f"Expected a tpu device, but got: {device}")
+        index = current_device() if device.index is None else device.index
+    if index == 0:  # there always is a first chip; counting them would start JAX, which tpu_dist must start
+        return index
+    count = device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(
+            f"Invalid device index tpu:{index}: there {'is' if count == 1 else 'are'} {count} tpu device(s)."
+        )
+    return index
+
+
+def is_available() -> bool:
+    """Always True: without TPU chips the device runs on JAX's CPU (or GPU) platform."""
+    return True
+
+
+def is_initialized() -> bool:
+    return _initialized
+
+
+def _lazy_init() -> None:
+    global _initialized
+    runtime.devices()
+    _initialized = True
+
+
+def device_count() -> int:
+    _lazy_init()
+    return len(runtime.devices())
+
+
+def current_device() -> int:
+    return getattr(_local, "index", 0)
+
+
+def set_device(device: Any) -> None:
+    _make_current(index_of(device))
+
+
+def _make_current(index: int) -> None:
+    _local.index = index
+    if index != 0 and not _index_resolution_installed:
+        _install_index_resolution()
+
+
+_index_resolution_installed = False
+_install_lock = threading.Lock()
+
+
+def _resolved(device: Any) -> Any:
+    if device == "tpu" or (isinstance(device, torch.device) and device.type == "tpu" and device.index is None):
+        return torch.device("tpu", current_device())
+    return device
+
+
+def _install_index_resolution() -> None:
+    """Makes a bare ``"tpu"`` in ``Tensor.to``/``torch.tensor``/``torch.as_tensor`` mean the current device.
+
+    torch fills in a missing index from the PrivateUse1 device guard, which a Python backend cannot
+    implement (it always answers 0). Installed only once a device other than tpu:0 is made current,
+    so single-chip programs keep torch's own functions.
+    """
+    global _index_resolution_installed
+    with _install_lock:
+        if _index_resolution_installed:
+            return
+        _index_resolution_installed = True
+    tensor_to, tensor, as_tensor = torch.Tensor.to, torch.tensor, torch.as_tensor
+
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            args = (_resolved(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _resolved(kwargs["device"])
+        return tensor_to(self, *args, **kwargs)
+
+    def with_device(factory: Any) -> Any:
+        def create(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            return factory(*args, device=_resolved(device), **kwargs)
+
+        create.__doc__ = factory.__doc__
+        return create
+
+    to.__doc__ = tensor_to.__doc__
+    torch.Tensor.to = to
+    torch.tensor = with_device(tensor)
+    torch.as_tensor = with_device(as_tensor)
+
+
+class device(contextlib.ContextDecorator):
+    """Context manager that makes ``device`` the current tpu device."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = -1 if device is None or device == -1 else index_of(device)  # None, -1: no change (CUDA)
+        self.previous = 0
+
+    def __enter__(self) -> None:
+        self.previous = current_device()
+        if self.index >= 0:
+            _make_current(self.index)
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.index = self.previous
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of device memory; on JAX's CPU platform, of host memory."""
+    jax_device = runtime.device(index_of(device))
+    stats = jax_device.memory_stats() if hasattr(jax_device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page_size, pages * page_size
