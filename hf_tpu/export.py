@@ -62,12 +62,12 @@ def save(exported: ExportedProgram, path: str | os.PathLike, *, platforms: Seque
     ``platforms`` are the JAX platforms the package is for (``"tpu"``, ``"cpu"``, ``"cuda"``), by default the
     one behind the tpu device now; a CPU host can write a package for TPU chips with ``platforms=["tpu"]``.
     """
-    from .compile import graph_lowering  # save only: loading needs neither graph mode nor torch.export
+    from .compile.backend import lower  # save only: loading needs neither graph mode nor torch.export
 
     _check_static(exported)
     decomposed = exported.run_decompositions(_decomposition_table())
     try:
-        graph = graph_lowering.lower(decomposed.graph_module)
+        graph = lower(decomposed.graph_module)
         weights, inputs, program_inputs, static_values = _classify_inputs(decomposed)
         pure = graph.pure_function(tuple(static_values))
     except NotImplementedError as error:

@@ -68,14 +68,16 @@ def test_a_new_cache_passed_at_every_step_is_read_in_full_only_at_its_first_step
 
 def _lowered_graph(monkeypatch, fn, *args) -> graph_lowering.CompiledGraph:
     """The CompiledGraph torch.compile builds for ``fn`` on ``args``, to call directly with other inputs."""
+    from hf_tpu.compile import backend
+
     graphs = []
-    lower = graph_lowering.lower
+    lower = backend.lower
 
     def spy(graph_module):
         graphs.append(lower(graph_module))
         return graphs[-1]
 
-    monkeypatch.setattr(graph_lowering, "lower", spy)
+    monkeypatch.setattr(backend, "lower", spy)
     torch.compile(fn, backend="tpu", fullgraph=True)(*args)
     (graph,) = graphs
     return graph
