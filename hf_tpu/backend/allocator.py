@@ -28,10 +28,10 @@ _next_large = 1 << 44
 class _Chip:
     """One chip's counts, in bytes and storages."""
 
-    __slots__ = ("current", "peak", "allocations", "frees")
+    __slots__ = ("current", "peak", "allocations", "frees", "in_place_copies")
 
     def __init__(self) -> None:
-        self.current = self.peak = self.allocations = self.frees = 0
+        self.current = self.peak = self.allocations = self.frees = self.in_place_copies = 0
 
 
 class _Chips(dict):
@@ -99,6 +99,12 @@ def freed_shards(shards: tuple[tuple[int, int], ...]) -> None:
         freed(device_index, nbytes)
 
 
+def copied_in_place(device_index: int) -> None:
+    """Counts an in-place update that could not give its old array to XLA (a view of it, another storage or a JAX
+    array held it): for a moment the chip held the tensor twice."""
+    _chips[device_index].in_place_copies += 1
+
+
 def current(device_index: int) -> int:
     return _chips[device_index].current
 
@@ -122,4 +128,5 @@ def stats(device_index: int) -> dict[str, int]:
         "allocation.all.freed": chip.frees,
         "active_bytes.all.current": chip.current,
         "reserved_bytes.all.current": chip.current,
+        "in_place_copies": chip.in_place_copies,
     }

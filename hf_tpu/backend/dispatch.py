@@ -26,7 +26,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_map
 
-from . import checks, devices, dtypes, fused, runtime, storage, tpu_lowering
+from . import allocator, checks, devices, dtypes, fused, runtime, storage, tpu_lowering
 from . import forks
 from .out_of_memory import raise_if_out_of_memory
 
@@ -187,15 +187,17 @@ class _Inputs:
 
     A tensor that is a view (not its whole storage, contiguous) contributes its storage's array,
     and its geometry is recorded in ``views`` under its position: the view is then taken inside the
-    op's own jitted program, so a transposed weight costs no extra dispatch.
+    op's own jitted program, so a transposed weight costs no extra dispatch. A view's storage offset
+    that moves (see :func:`storage.view_geometry`) is in ``offsets``, the program's last arguments.
     """
 
-    __slots__ = ("device_index", "views", "numbers", "read_from", "mixed", "recording")
+    __slots__ = ("device_index", "views", "offsets", "numbers", "read_from", "mixed", "recording")
 
     def __init__(self, recording: bool) -> None:
         self.recording = recording  # fused eager mode will record the op: pending values may be read
         self.device_index = None
         self.views: list[tuple[tuple[int, int], tuple]] = []
+        self.offsets: list[int] = []
         self.numbers: list[int] = []  # slots holding a Python float or complex (the 2.5 of `x * 2.5`)
         self.read_from: list[tuple[tuple[int, int], int, Any]] = []  # (position, chip, array) per tensor read
         self.mixed = False  # another chip or a sharded array among the inputs: see place()
@@ -219,7 +221,7 @@ class _Inputs:
             self.mixed = True
         self.read_from.append((position, chip, array))
         if not storage.holds_whole(tensor, buffer, array):
-            self.views.append((position, storage.view_geometry(tensor, buffer)))
+            _add_view(tensor, buffer, position, self.views, self.offsets)
         return array
 
     def place(self, dynamic: list) -> None:
@@ -252,15 +254,25 @@ class _Inputs:
         return tuple(None if t is None else self.read(t, (slot, i)) for i, t in enumerate(tensors))
 
 
-def _apply_views(values: tuple, views: tuple) -> list:
-    """Inside the jitted program: replaces storage arrays by the views the op was called with."""
-    values = list(values)
+def _add_view(tensor: torch.Tensor, buffer: storage.Buffer, position: tuple[int, int], views: list,
+              offsets: list) -> None:
+    geometry = storage.view_geometry(tensor, buffer)
+    views.append((position, geometry))
+    if geometry[4] is storage.MOVING:
+        offsets.append(tensor.storage_offset())
+
+
+def _apply_views(values: tuple, views: tuple, offsets: tuple) -> list:
+    """Inside the jitted program: replaces storage arrays by the views the op was called with (those at a moving
+    storage offset at ``offsets``, in order)."""
+    values, moving = list(values), iter(offsets)
     for (slot, item), geometry in views:
+        offset = next(moving) if geometry[4] is storage.MOVING else None
         if item < 0:
-            values[slot] = storage.view_of(values[slot], geometry)
+            values[slot] = storage.view_of(values[slot], geometry, offset)
         else:
             items = list(values[slot])
-            items[item] = storage.view_of(items[item], geometry)
+            items[item] = storage.view_of(items[item], geometry, offset)
             values[slot] = tuple(items)
     return values
 
@@ -381,10 +393,11 @@ def _refuse_as_cpu_does(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
         pass
 
 
-def _read_plainly(tensor: Any, position: tuple[int, int], views: list, chips: list) -> Any:
+def _read_plainly(tensor: Any, position: tuple[int, int], views: list, offsets: list, chips: list) -> Any:
     """What fused eager's plain path reads for a tensor argument (see ``record_plainly`` in :func:`build_kernel`): its
-    storage's array or pending value, with the view's geometry appended to ``views`` if it is not the whole of it,
-    and its chip appended to ``chips``; ``None`` for a tensor that is no tpu tensor on one chip."""
+    storage's array or pending value, with the view's geometry appended to ``views`` (and a moving storage offset to
+    ``offsets``) if it is not the whole of it, and its chip appended to ``chips``; ``None`` for a tensor that is no
+    tpu tensor on one chip."""
     try:
         buffer = tensor.untyped_storage()._hf_buffer
     except AttributeError:  # a CPU tensor, a storage torch made again: the general path
@@ -395,7 +408,7 @@ def _read_plainly(tensor: Any, position: tuple[int, int], views: list, chips: li
     if type(array.sharding) is not storage.ONE_CHIP:
         return None
     if not storage.holds_whole(tensor, buffer, array):
-        views.append((position, storage.view_geometry(tensor, buffer)))
+        _add_view(tensor, buffer, position, views, offsets)
     chips.append(buffer.device_index)
     return array
 
@@ -447,12 +460,37 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     n_inputs = len(inputs)
     layout_indices = [index for _, index, kind in tensor_slots if kind != _TENSOR_LIST] if entry.sees_layout else ()
     op_name = op.name()
+    # An in-place op's tensors (add_'s self, _foreach_add_'s list, _fused_adamw_'s lists): (dynamic slot, argument)
+    # of each, whose arrays the op may donate (see donated_slots).
+    in_place = tuple((k, index) for k, (_, index, kind) in enumerate(tensor_slots)
+                     if kind in (_TENSOR, _TENSOR_LIST) and index in destinations and not is_out[index])
+    every_donor = tuple(k for k, _ in in_place)
+
+    def donated_slots(bound: list, dynamic: list, reader: _Inputs) -> tuple[int, ...]:
+        """The in-place tensors (a list: all of its tensors) that are their storages' whole arrays held by nothing
+        else: XLA writes the results into their memory, and the update needs the tensors' size once, as on CPU.
+        Each other one is a copy, counted (``torch.tpu.memory_stats()["in_place_copies"]``); but a view, written
+        into its storage's array afterwards, which :func:`storage.write` donates if it can."""
+        slots = []
+        for slot, index in in_place:
+            is_list = dynamic[slot].__class__ is tuple
+            tensors = bound[index] if is_list else (bound[index],)
+            arrays = dynamic[slot] if is_list else dynamic  # each array is looked up, not held in a variable here:
+            positions = range(len(tensors)) if is_list else (slot,)  # storage.donatable counts who holds it
+            whole = [storage.is_whole(tensor, storage.buffer_of(tensor)) for tensor in tensors]
+            if all(whole) and all(storage.donatable(tensor, arrays[position], arrays)
+                                  for tensor, position in zip(tensors, positions)):
+                slots.append(slot)
+                continue
+            for _ in range(sum(whole)):
+                allocator.copied_in_place(reader.device_index or 0)
+        return tuple(slots)
 
     @functools.lru_cache(maxsize=storage.PROGRAMS_PER_CACHE)
-    def compile_for(key: tuple) -> Callable:
+    def compile_for(key: tuple, donated: tuple[int, ...]) -> Callable:
         """One jitted function per combination of static values; Scalars left at their schema
         default or at a value the lowering specializes are static too (no per-call transfer), other Scalars are
-        traced (see :func:`fixed_scalar`)."""
+        traced (see :func:`fixed_scalar`). ``donated``: the dynamic slots whose arrays XLA may write into."""
         static_values, _, fixed_scalars, views, _, order, _, contiguity = key
         layout = {"contiguous": contiguity} if entry.sees_layout else {}
         dynamic_slots = [slot for slot, _, _ in tensor_slots] + [
@@ -463,9 +501,12 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             for (slot, _, default, _), state in zip(scalar_slots, fixed_scalars) if state is not False
         ]
 
+        moving = sum(geometry[4] is storage.MOVING for _, geometry in views)
+
         def traced(*dynamic_values):
             if views:
-                dynamic_values = _apply_views(dynamic_values, views)
+                offsets = dynamic_values[len(dynamic_values) - moving:]
+                dynamic_values = _apply_views(dynamic_values[:len(dynamic_values) - moving], views, offsets)
             call = [None] * n_inputs
             for slot, value in zip(dynamic_slots, dynamic_values):
                 call[slot] = value
@@ -477,7 +518,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             return (result if order is None else jax.numpy.transpose(result, order)), checks.combined(collected)
 
         # keep_unused: unused inputs still pin the chip
-        program = tpu_lowering.checked(op_name, jax.jit(traced, keep_unused=True))
+        program = tpu_lowering.checked(op_name, jax.jit(traced, keep_unused=True, donate_argnums=donated))
         return runtime.waiting_if_interpreted(program) if entry.calls_kernels else program
 
     # What a recorded call of the common kind needs (see record_plainly): tensor arguments by position (and whether
@@ -494,7 +535,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         result keeps its first input's layout as there) or a Python number, Scalars at their defaults or numbers
         the op's dtypes hold, one tensor returned. ``None`` for any other call, which the general path takes."""
         count = len(args)
-        arrays, views, floats, chips = [], [], [], []
+        arrays, views, offsets, floats, chips = [], [], [], [], []
         for index, is_list in tensor_places:
             value = args[index] if index < count else None
             if value is None:
@@ -505,7 +546,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     if tensor is None:
                         items.append(None)
                         continue
-                    array = _read_plainly(tensor, (len(arrays), item), views, chips)
+                    array = _read_plainly(tensor, (len(arrays), item), views, offsets, chips)
                     if array is None:
                         return None
                     items.append(array)
@@ -515,7 +556,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     floats.append(len(arrays))
                 arrays.append(value)
             else:
-                array = _read_plainly(value, (len(arrays), -1), views, chips)
+                array = _read_plainly(value, (len(arrays), -1), views, offsets, chips)
                 if array is None:
                     return None
                 arrays.append(array)
@@ -550,8 +591,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
         order = None
         if views and keeps_layout and first_tensor is not None and first_tensor < count:
             order = _memory_order(list(args) + defaults[count:], first_tensor, tensor_slots)
-        result, _ = call(compile_for(_program_key(static_values, fixed, tuple(views), order, contiguity)), arrays,
-                         device_index)
+        result, _ = call(compile_for(_program_key(static_values, fixed, tuple(views), order, contiguity), ()),
+                         arrays + offsets, device_index)
         return _wrap(result, device_index) if order is None else _wrap_in_order(result, order, device_index)
 
     def call(fn: Callable, dynamic: list, recording_on: int | None) -> Any:
@@ -610,6 +651,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
                     dynamic.append(value)
             if reader.mixed:
                 reader.place(dynamic)
+            dynamic += reader.offsets
             static_values = tuple([_frozen(bound[index]) for index in static_indices]) if static_indices else ()
             order = None
             if keeps_layout and first_tensor is not None:
@@ -621,13 +663,20 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             key = _program_key(static_values, tuple(fixed), tuple(reader.views) if reader.views else (), order,
                                contiguity)
             recorded = reader.recording and not reader.mixed
-            result, check = call(compile_for(key), dynamic, _device_of(reader, bound, device_arg) if recorded else None)
+            donated = ()
+            if in_place and not reader.mixed:  # a recorded op's program is traced into its chain's, where donation
+                # means nothing: it is strict mode's donating program, not one more
+                donated = every_donor if recorded else donated_slots(bound, dynamic, reader)
+            result, check = call(compile_for(key, donated), dynamic,
+                                 _device_of(reader, bound, device_arg) if recorded else None)
             if fused.DEBUG:
                 fused.settle(op_name, result, check)
             elif check is not None:
                 defer_check(check, reader.device_index or 0)
 
             if destinations:
+                dynamic.clear()  # the arrays read: a storage array written through a view may be donated
+                reader.read_from.clear()
                 outs = [bound[i] for i in destinations]
                 if len(outs) == 1 and isinstance(outs[0], (list, tuple)):  # foreach in-place: list of tensors
                     for tensor, value in zip(outs[0], result):

@@ -453,7 +453,8 @@ def records_kernels() -> bool:
 def apply(fn: Callable, name: str, device: int, *args: Any) -> Any:
     """``fn(*args)`` for a jitted storage program (a view read or write, a cast): recorded in fused eager mode
     when every argument is on one chip (a value of the chain is), as an op of the op table is; else run now."""
-    if ON and all(arg.__class__ is Lazy or type(arg.sharding) is jax.sharding.SingleDeviceSharding for arg in args):
+    if ON and all(arg.__class__ is Lazy or arg.__class__ is int  # an int: a view's storage offset
+                  or type(arg.sharding) is jax.sharding.SingleDeviceSharding for arg in args):
         return record(fn, args, name, device, pair=False)
     return fn(*(concrete(arg) for arg in args))
 

@@ -12,7 +12,10 @@ contents for its life (:func:`placed`).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
+import sys
 import weakref
 from typing import Any
 
@@ -367,17 +370,41 @@ def _in_order(tensor: torch.Tensor, buffer: Buffer) -> bool:
             and not tensor.is_neg() and not tensor.is_conj())
 
 
+MOVING = None
+"""The offset of a view geometry whose storage offset is an argument of the program, not part of it."""
+
+
+def donatable(tensor: torch.Tensor, array: Any, arrays: list | tuple) -> bool:
+    """Whether ``array``, read from ``tensor`` into a program's inputs ``arrays``, can be donated to it (XLA then
+    writes the result into its memory): the storage's whole array, held by nothing but its storage (and the
+    newest-array records), passed once. The caller must hold ``array`` only in ``arrays`` and in one more
+    reference (its variable, or a record of what it read) besides this function's parameter."""
+    if tensor.device.type != "tpu" or buffer_of(tensor).array is not array:
+        return False
+    references = sys.getrefcount(array) - completion.is_latest(array)
+    return references <= _OWNED_REFERENCES and sum(map(operator.is_, arrays, itertools.repeat(array))) == 1
+
+
+# References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
+# variable, this function's parameter and getrefcount's argument. More means someone else holds it.
+_OWNED_REFERENCES = 5
+
+
 def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:
-    """What :func:`view_of` needs to take ``tensor``'s view of its storage array (hashable)."""
-    return (
-        buffer.dtype, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
-        tensor.is_conj(), tensor.is_neg(),
-    )
+    """What :func:`view_of` needs to take ``tensor``'s view of its storage array (hashable), but its storage
+    offset: a view at a nonzero offset of a storage of its own dtype has the offset :data:`MOVING` (if
+    :func:`strided.takes_moving_offset`), and the program taking the view is given ``tensor.storage_offset()`` as
+    an argument, so that one program serves the view at every offset (a slice at a moving position compiles
+    nothing new)."""
+    offset, size, stride = tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+    moving = offset and tensor.dtype is buffer.dtype and strided.takes_moving_offset(size, stride, offset, buffer.numel)
+    return buffer.dtype, tensor.dtype, size, stride, MOVING if moving else offset, tensor.is_conj(), tensor.is_neg()
 
 
-def view_of(array: Any, geometry: tuple) -> Any:
-    """Traceable: the view ``geometry`` of a storage array."""
-    _, dtype, size, stride, offset, conjugated, negated = geometry
+def view_of(array: Any, geometry: tuple, offset: Any = None) -> Any:
+    """Traceable: the view ``geometry`` of a storage array (at ``offset`` if the geometry's is :data:`MOVING`)."""
+    _, dtype, size, stride, fixed_offset, conjugated, negated = geometry
+    offset = offset if fixed_offset is MOVING else fixed_offset
     values = strided.read(_reinterpret(array.reshape(-1), dtypes.to_jax(dtype)), size, stride, offset)
     return _apply_bits(values, conjugated, negated)
 
@@ -399,8 +426,10 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
         array = buffer.current() if pending else buffer.materialize()
     if holds_whole(tensor, buffer, array):
         return array
-    reader = _view_reader(view_geometry(tensor, buffer))
-    return fused.apply(reader, "view read", buffer.device_index, array) if pending else reader(array)
+    geometry = view_geometry(tensor, buffer)
+    arguments = (array,) if geometry[4] is not MOVING else (array, tensor.storage_offset())
+    reader = _view_reader(geometry)
+    return fused.apply(reader, "view read", buffer.device_index, *arguments) if pending else reader(*arguments)
 
 
 def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
@@ -419,9 +448,15 @@ def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
             value = value.reshape(buffer.array.shape)
         buffer.set(placed(buffer, value), transfer)
         return
-    writer = _view_writer(view_geometry(tensor, buffer))
-    buffer.set(placed(buffer, fused.apply(writer, "view write", buffer.device_index, buffer.current(),
-                                          beside(buffer, value))))
+    geometry = view_geometry(tensor, buffer)
+    offset = (tensor.storage_offset(),) if geometry[4] is MOVING else ()
+    array = buffer.current()
+    donate = not fused.ON and donatable(tensor, array, (array,))
+    if not donate and not fused.ON:
+        allocator.copied_in_place(buffer.device_index)
+    writer = _view_writer(geometry, donate)
+    buffer.set(placed(buffer, fused.apply(writer, "view write", buffer.device_index, array, beside(buffer, value),
+                                          *offset)))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
@@ -466,18 +501,20 @@ def _reinterpret(flat: Any, dtype: Any) -> Any:
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
 def _view_reader(geometry: tuple):
-    return tpu_lowering.checked("view read", jax.jit(lambda array: view_of(array, geometry)))
+    return tpu_lowering.checked("view read", jax.jit(lambda array, *offset: view_of(array, geometry, *offset)))
 
 
 @functools.lru_cache(maxsize=PROGRAMS_PER_CACHE)
-def _view_writer(geometry: tuple):
-    storage_dtype, dtype, size, stride, offset, conjugated, negated = geometry
+def _view_writer(geometry: tuple, donate: bool):
+    """The program writing a view of a storage array; with ``donate``, XLA writes into the array's memory (the
+    caller holds the array nowhere else: see :func:`donatable`)."""
+    storage_dtype, dtype, size, stride, fixed_offset, conjugated, negated = geometry
     target, storage_target = dtypes.to_jax(dtype), dtypes.to_jax(storage_dtype)
 
-    def write_view(array, value):
+    def write_view(array, value, offset=fixed_offset):
         flat = _reinterpret(array.reshape(-1), target)
         value = _apply_bits(value.astype(target), conjugated, negated)
         flat = strided.write(flat, value, size, stride, offset)
         return _reinterpret(flat, storage_target).reshape(array.shape)
 
-    return tpu_lowering.checked("view write", jax.jit(write_view))
+    return tpu_lowering.checked("view write", jax.jit(write_view, donate_argnums=(0,) if donate else ()))

@@ -14,8 +14,6 @@ import collections
 import functools
 import hashlib
 import itertools
-import operator
-import sys
 import time
 from typing import Any, Callable
 
@@ -27,7 +25,7 @@ from torch import fx
 from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..backend import checks, completion, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
+from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
 from ..backend.ops.memory import to_device
 from ..backend.forks import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
@@ -418,22 +416,9 @@ class CompiledGraph:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held
         by nothing but its storage (and the newest-array record), passed to the program only once."""
         return tuple(position for position in self._mutated_inputs
-                     if donatable(tensors[position], arrays[position], arrays))
+                     if storage.donatable(tensors[position], arrays[position], arrays))
 
 
-def donatable(tensor: torch.Tensor, array: Any, arrays: list) -> bool:
-    """Whether ``array``, read from ``tensor`` into a program's inputs ``arrays``, can be donated to it: the
-    storage's whole array, held by nothing but its storage (and the newest-array record), passed once.
-    The caller must hold ``array`` only in ``arrays`` and in the one variable it passes here."""
-    if tensor.device.type != "tpu" or storage.buffer_of(tensor).array is not array:
-        return False
-    references = sys.getrefcount(array) - completion.is_latest(array)
-    return references <= _OWNED_REFERENCES and sum(map(operator.is_, arrays, itertools.repeat(array))) == 1
-
-
-# References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
-# variable, this function's parameter and getrefcount's argument. More means someone else holds it.
-_OWNED_REFERENCES = 5
 _graph_numbers = itertools.count(1)
 # program fingerprint and devices -> executable; both caches keep the most recently used only
 _EXECUTABLES: collections.OrderedDict[tuple[str, str], Callable] = collections.OrderedDict()

@@ -28,7 +28,7 @@ import torch
 from ..backend import dispatch, dtypes, runtime, storage, tpu_lowering
 from ..backend.forks import check_not_forked
 from ..backend.out_of_memory import raise_if_out_of_memory
-from ..compile import graph_lowering, graph_ops
+from ..compile import graph_ops
 
 DEFAULT_NAMESPACE = "hf_tpu_jax"
 _TENSOR, _OPTIONAL_TENSOR, _TENSOR_LIST, _STATIC = "Tensor", "Tensor?", "Tensor[]", "static"
@@ -345,7 +345,7 @@ class _JaxOp:
             for index in range(starts[position], starts[position + 1]):
                 tensor, array = leaves[index], arrays[index]
                 donatable = donatable and not tensor.requires_grad and _storage_users(tensor) <= _SOLE_USER and (
-                    graph_lowering.donatable(tensor, array, arrays))
+                    storage.donatable(tensor, array, arrays))
                 del array
             if donatable:
                 donated.append(position)
