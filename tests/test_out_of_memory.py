@@ -110,3 +110,48 @@ def test_requests_larger_than_any_device_are_refused_without_using_up_the_addres
         with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 4\.00 EiB"):
             torch.empty(2**62, device="tpu", dtype=torch.uint8)
     assert (torch.ones(2, 2, device="tpu") + 1).sum().item() == 8.0
+
+
+def test_the_cpu_platforms_device_reports_what_the_host_can_give():
+    from hf_tpu.backend import devices, runtime
+
+    if runtime.backing_platform() != "cpu":
+        pytest.skip("the device's memory is the host's on JAX's CPU platform only")
+    free, total = torch.tpu.mem_get_info()
+    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
+               if line.rstrip().endswith("kB")}
+    assert (free, total) == devices.host_memory()
+    assert free <= meminfo["MemAvailable"] + (64 << 20) and total <= meminfo["MemTotal"]
+    assert torch.tpu.get_device_properties().total_memory == total
+
+
+def test_a_result_larger_than_the_host_can_give_is_refused_before_the_os_steps_in():
+    from hf_tpu.backend import runtime
+
+    if runtime.backing_platform() != "cpu":
+        pytest.skip("on chips XLA's RESOURCE_EXHAUSTED says so")
+    free = torch.tpu.mem_get_info()[0]
+    with pytest.raises(torch.OutOfMemoryError, match="tpu out of memory"):
+        torch.ones(free // 2 + 7, 3, device="tpu")  # 1.5x what the host has available, never allocated
+    assert torch.ones(3, device="tpu").sum().item() == 3.0
+
+
+def test_find_executable_batch_size_settles_on_what_the_host_can_give(monkeypatch):
+    """accelerate halves the batch on torch.OutOfMemoryError until a step fits in the host's available memory (here
+    said to be 200 MiB): on JAX's CPU platform the process is no longer killed instead."""
+    from accelerate.utils import find_executable_batch_size
+
+    from hf_tpu.backend import devices, runtime
+
+    if runtime.backing_platform() != "cpu":
+        pytest.skip("the device's memory is the host's on JAX's CPU platform only")
+    monkeypatch.setattr(devices, "host_memory", lambda: (200 << 20, 1 << 30))
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def step(batch_size):
+        tried.append(batch_size)
+        return torch.ones(batch_size, (16 << 20) // 4 + 13, device="tpu")[:, 0].sum().item()  # 16 MiB a sample
+
+    assert step() == tried[-1]
+    assert tried[0] == 64 and tried[-1] * 16 <= 200 < tried[-2] * 16

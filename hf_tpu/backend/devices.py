@@ -134,11 +134,53 @@ class device(contextlib.ContextDecorator):
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    """(free, total) bytes of device memory; on JAX's CPU platform, of host memory."""
+    """(free, total) bytes of device memory; on JAX's CPU platform, what the host can give this process
+    (:func:`host_memory`)."""
     jax_device = runtime.device(index_of(device))
     stats = jax_device.memory_stats() if hasattr(jax_device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         total = int(stats["bytes_limit"])
         return total - int(stats.get("bytes_in_use", 0)), total
-    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page_size, pages * page_size
+    return host_memory()
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory for this process: the kernel's estimate of what can be allocated
+    without swapping (``MemAvailable``: free memory and reclaimable caches, not only ``MemFree``) and the physical
+    total, each within the process's cgroup limit if it has one (a container's). Allocations past the available
+    figure are granted, then the OS kills the process when it writes them: on JAX's CPU platform, the device
+    refuses a result larger than this with ``torch.OutOfMemoryError`` instead."""
+    meminfo = _meminfo()
+    available, total = meminfo.get("MemAvailable", meminfo.get("MemFree", 0)), meminfo.get("MemTotal", 0)
+    limit, used = _cgroup_memory()
+    if limit is not None:
+        available, total = min(available, max(limit - used, 0)), min(total, limit)
+    return available, total
+
+
+def _meminfo() -> dict[str, int]:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo if line.rstrip().endswith("kB")}
+    except OSError:  # not Linux
+        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        return {"MemAvailable": os.sysconf("SC_AVPHYS_PAGES") * page_size, "MemTotal": pages * page_size}
+
+
+# cgroup v2, then v1: (limit, usage) files
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _cgroup_memory() -> tuple[int | None, int]:
+    """The process's cgroup memory limit and usage, ``(None, 0)`` without a limit."""
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            with open(limit_file) as limit, open(usage_file) as usage:
+                value, used = limit.read().strip(), int(usage.read().strip())
+        except (OSError, ValueError):
+            continue
+        if value.isdigit() and int(value) < 1 << 60:  # v1 reports "no limit" as a huge number, v2 as "max"
+            return int(value), used
+        return None, 0
+    return None, 0

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import allocator, completion, dlpack_alloc, dtypes, fused, runtime, strided, tpu_lowering
+from . import allocator, completion, devices, dlpack_alloc, dtypes, fused, runtime, strided, tpu_lowering
 from .completion import _latest, _transfers
 
 _create_empty = torch._C._acc.create_empty_tensor
@@ -322,16 +322,24 @@ def _check_bytes(nbytes: int, shape: tuple) -> None:
 
 def check_result_sizes(result: Any) -> None:
     """Refuses, while an op is traced, results no chip could hold, before XLA compiles the op (it aborts the
-    process on a size whose bytes overflow int64): the CPU's error for those, and for more than any chip holds
-    :class:`~.out_of_memory.TooLarge`, which the kernel raises as ``torch.OutOfMemoryError``."""
+    process on a size whose bytes overflow int64): the CPU's error for those, and for more than any chip holds, or
+    on JAX's CPU platform more than the host has available, :class:`~.allocator.TooLarge`, which the kernel raises
+    as ``torch.OutOfMemoryError``."""
+    total = 0
     for leaf in jax.tree_util.tree_leaves(result):
         if hasattr(leaf, "shape"):
             nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
             _check_bytes(nbytes, leaf.shape)
             if nbytes > allocator.LARGEST_ALLOCATION:
-                from .out_of_memory import TooLarge
+                raise allocator.TooLarge(nbytes)
+            total += nbytes
+    if total >= _HOST_CHECKED_BYTES and runtime.backing_platform() == "cpu" and total > devices.host_memory()[0]:
+        raise allocator.TooLarge(total)  # the host would grant it, then the OS would kill the process
 
-                raise TooLarge(nbytes)
+
+# Results from this size on are checked against the host's available memory on JAX's CPU platform, when their
+# program is traced (per shape: a new batch size is traced, and checked, again).
+_HOST_CHECKED_BYTES = 16 << 20
 
 
 # Address -> buffer, for storages torch re-creates around an existing address (e.g. when
