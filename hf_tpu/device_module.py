@@ -147,6 +147,9 @@ def reset_max_memory_allocated(device: Any = None) -> None:
 
 
 def memory_stats(device: Any = None) -> OrderedDict[str, int]:
+    """``torch.cuda.memory_stats``' keys that apply (``allocated_bytes.all.current`` and ``.peak``, allocations and
+    frees), and ``in_place_copies``: in-place updates that could not write into the tensor's own memory because
+    something else held its old values (for a moment the chip held the tensor twice)."""
     return OrderedDict(sorted(_stats.stats(devices.index_of(device)).items()))
 
 
