@@ -126,3 +126,9 @@ def test_positions_out_of_range_raise_cpus_error(operation):
         operation(_base())
     with pytest.raises(type(on_cpu.value)):
         operation(_base().to("tpu")).cpu()
+
+
+def test_empty_views_at_an_offset():
+    for base in (torch.zeros(0, 0, 3), torch.zeros(2, 0, 4)):
+        assert_same(base.to("tpu")[:, :, 1:].abs(), base[:, :, 1:].abs())
+        assert_same(base.to("tpu")[..., 2].neg(), base[..., 2].neg())

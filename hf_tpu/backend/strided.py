@@ -81,6 +81,8 @@ def takes_moving_offset(size: tuple[int, ...], stride: tuple[int, ...], offset: 
     argument (:func:`read` and :func:`write` with a traced offset): a gather always; a strided slice when the
     array reshapes to rows of its strides and the view, at this offset, does not wrap from one row to the next
     (it never does for a slice of a tensor; an ``as_strided`` view may)."""
+    if not numel or 0 in size:  # nothing to read or write: the offset may stay in the program
+        return False
     plan = _plan(size, stride)
     if plan is None or not plan.sorted_strides:
         return True
