@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 
+from _report import report
 from compile_time import run as compiled_first_call
 
 _EXPORT = """
@@ -89,8 +90,14 @@ def main() -> None:
     print(f"{'torch.compile(backend=tpu)':<34} {'':>7} {compiled['first']:13.2f} {compiled['first']:15.2f} "
           f"{compiled['second'] * 1e3:15.2f}")
     print(f"\npackage load + first call / torch.compile first call: {package_total / compiled['first']:.2f}x")
-    print(f"cold cache (XLA compiles): package load + first call {cold_package['load'] + cold_package['first']:.2f} s, "
+    cold_total = cold_package["load"] + cold_package["first"]
+    print(f"cold cache (XLA compiles): package load + first call {cold_total:.2f} s, "
           f"torch.compile first call {cold_compiled['first']:.2f} s")
+    report("package load + first call / torch.compile first call, warm cache", package_total / compiled["first"], "x",
+           "torch.compile(backend='tpu'), first call of a new process")
+    report("package load + first call / torch.compile first call, cold cache", cold_total / cold_compiled["first"],
+           "x", "torch.compile(backend='tpu'), first call of a new process")
+    report("package load + first call, warm cache", package_total, "s", "")
 
 
 if __name__ == "__main__":

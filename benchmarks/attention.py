@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 from hf_tpu.kernels import pallas, to_jax
 
 # off TPU chips the flash kernel runs interpreted: its row says so
@@ -198,6 +199,10 @@ def compare(args: argparse.Namespace, causal: bool, with_pallas: bool) -> bool:
     jax_ms = rows["jax dense"][0]
     print(f"  tpu compiled vs jax dense: {jax_ms / rows['tpu compiled'][0]:.2f}x, tpu eager vs jax dense: "
           f"{jax_ms / rows['tpu eager'][0]:.2f}x (above 1 = faster)")
+    case = f"{'causal' if causal else 'no mask'} {what}"
+    for name in ("tpu compiled", "tpu eager"):
+        report(f"{case}, speed: {name} / jax dense", jax_ms / rows[name][0], "x", "jax.jit of hand-written attention")
+        report(f"{case}, speed: {name} / torch cpu", cpu_ms / rows[name][0], "x", "torch CPU SDPA")
     if PALLAS in rows:
         print(f"  {PALLAS} vs tpu compiled: {rows['tpu compiled'][0] / rows[PALLAS][0]:.2f}x")
     print()

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
 from hf_tpu.backend import checks
 
+from _report import report
 from decode import NEW_TOKENS, build_model, hf_generate
 
 
@@ -97,6 +98,10 @@ def main() -> None:
     print(f"{'one F.embedding, (1, 64) ids (us)':<34} {embedding['deferred']:9.1f} {embedding['off']:9.1f} "
           f"{embedding['deferred'] - embedding['off']:+7.1f}us")
     print(f"same tokens: {tokens['deferred'] == tokens['off']}")
+    report("tiny Llama eager forward, checks on / off time", forward["deferred"] / forward["off"], "x",
+           "HF_TPU_CHECKS=0 (goal <= 1.03x)")
+    report("compiled static decode, checks on / off time", off_rate / on_rate, "x", "HF_TPU_CHECKS=0 (goal <= 1.03x)")
+    report("one F.embedding, checks on - off", embedding["deferred"] - embedding["off"], "us", "HF_TPU_CHECKS=0")
 
 
 if __name__ == "__main__":

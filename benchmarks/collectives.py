@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Callable
 
+from _report import report
+
 KIB = 1024
 DEFAULT_SIZES_KIB = [4 * 4**k for k in range(8)]  # 4 KiB .. 64 MiB
 LAUNCH_TIMEOUT_S = 600
@@ -96,10 +98,13 @@ def _checked_first_call(numel: int, gloo) -> tuple:
     return device.zero_(), host.zero_()  # zeros stay zeros: repeated in-place sums never overflow
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes // KIB} KiB" if nbytes < KIB * KIB else f"{nbytes // (KIB * KIB)} MiB"
+
+
 def _row(nbytes: int, tpu_s: float, jax_s: float, gloo_s: float, world: int) -> str:
     moved = 2 * (world - 1) / world * nbytes  # bytes each rank sends (and receives) in a ring all-reduce
-    size = f"{nbytes // KIB} KiB" if nbytes < KIB * KIB else f"{nbytes // (KIB * KIB)} MiB"
-    return (f"{size:>8}  {nbytes:>10}  {tpu_s * 1e3:>9.3f}  {moved / tpu_s / 1e9:>6.3f}  {jax_s * 1e3:>9.3f}  "
+    return (f"{_size(nbytes):>8}  {nbytes:>10}  {tpu_s * 1e3:>9.3f}  {moved / tpu_s / 1e9:>6.3f}  {jax_s * 1e3:>9.3f}  "
             f"{gloo_s * 1e3:>9.3f}  {moved / gloo_s / 1e9:>6.3f}  {tpu_s / gloo_s:>8.2f}x")
 
 
@@ -141,6 +146,8 @@ def worker(args: argparse.Namespace) -> None:
         gloo_s = _timed(lambda: dist.all_reduce(host, group=gloo), lambda: None, calls, args.repeats)
         if rank == 0:
             print(_row(kib * KIB, tpu_s, jax_s, gloo_s, world), flush=True)
+            report(f"all_reduce {_size(kib * KIB)}: tpu_dist / gloo time", tpu_s / gloo_s, "x",
+                   f"torch Gloo on CPU tensors, {world} processes")
     dist.destroy_process_group()
 
 

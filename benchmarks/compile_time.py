@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+from _report import report
+
 _CHILD = """
 import json, time
 import torch
@@ -62,6 +64,9 @@ def main() -> None:
         print(f"{name:<6} {result['first']:13.2f} {result['compile_seconds']:19.2f} "
               f"{result['disk_cache_hits']:17} {result['second'] * 1e3:15.2f}")
     print(f"\nwarm / cold first call: {warm['first'] / cold['first']:.2f}x")
+    report("first compiled call, warm / cold XLA disk cache", warm["first"] / cold["first"], "x",
+           "the same first call with an empty cache")
+    report("first compiled call, warm cache", warm["first"], "s", "")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 
 NEW_TOKENS = 64
 
@@ -316,8 +317,10 @@ def main() -> None:
     print("* as cpu eager's; the sampled runs' as tpu sampled stepwise's\n")
     for name in ("tpu", "tpu fused", "tpu stepwise", "tpu sampled", "tpu sampled stepwise"):
         rate = NEW_TOKENS / results[name][0]
-        print(f"{name} / best torch cpu path: {rate / best_cpu:.2f}x; "
-              f"{name} / pure jax: {rate * results['pure jax'][0] / NEW_TOKENS:.2f}x")
+        versus_jax = rate * results["pure jax"][0] / NEW_TOKENS
+        print(f"{name} / best torch cpu path: {rate / best_cpu:.2f}x; {name} / pure jax: {versus_jax:.2f}x")
+        report(f"tokens/s, {name} / pure jax", versus_jax, "x", "hand-written JAX decoder (goal >= 0.9x)")
+        report(f"tokens/s, {name} / best torch cpu path", rate / best_cpu, "x", "fastest torch CPU generate")
     print("host CPU per new token (main thread): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:

@@ -19,6 +19,7 @@ import diffusers
 import torch
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 
 
 def tiny_stable_diffusion() -> diffusers.StableDiffusionPipeline:
@@ -81,6 +82,8 @@ def main() -> None:
         difference = (images - cpu_images).abs().max().item()
         print(f"{name:<20} {seconds:8.3f} {args.steps / seconds:9.1f} {cpu_seconds / seconds:13.2f}x "
               f"{difference:16.2e}")
+        if name != "torch cpu eager":
+            report(f"steps/s, {name} / torch cpu eager", cpu_seconds / seconds, "x", "torch CPU eager pipeline")
 
 
 if __name__ == "__main__":

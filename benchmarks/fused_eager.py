@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import torch
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 from hf_tpu.backend import dispatch, fused
 from tiny_llama import tiny_llama
 
@@ -186,8 +187,8 @@ def llama_training_step(device: str) -> Callable[[], None]:
     return step
 
 
-def compare_with_cpu(title: str, workload: Callable[[str], Callable[[], object]], goal: float, repeats: int,
-                     on_cuda: bool = False) -> None:
+def compare_with_cpu(name: str, title: str, workload: Callable[[str], Callable[[], object]], goal: float,
+                     repeats: int, on_cuda: bool = False) -> None:
     """Prints ``workload``'s milliseconds on torch CPU, tpu strict and tpu fused (timed in turn, see
     :func:`alternated`), where fused mode's time goes (the host recording; XLA running the recorded chains), and
     the ratios to CPU."""
@@ -205,6 +206,8 @@ def compare_with_cpu(title: str, workload: Callable[[str], Callable[[], object]]
     print(f"  fused / cpu {fused_time.total / cpu:5.2f}x (goal <= {goal}x)   strict / cpu {strict / cpu:5.2f}x   "
           f"fused: {counts['flushes']} chain runs, {counts['program_hits']} cache hits, "
           f"{counts['program_misses']} misses")
+    report(f"{name}: tpu fused / torch cpu time", fused_time.total / cpu, "x", f"torch CPU eager (goal <= {goal}x)")
+    report(f"{name}: tpu strict / torch cpu time", strict / cpu, "x", "torch CPU eager")
     print(f"  where fused mode's time goes: host until the call returns {fused_time.host * 1e3:.2f} "
           f"({fused_time.host / cpu:.2f}x cpu), XLA running its chains alone {chains * 1e3:.2f} "
           f"({chains / cpu:.2f}x cpu)")
@@ -239,6 +242,10 @@ def steady_state(steps: int, warmup: int = 10) -> None:
     hits, misses = end["program_hits"] - start["program_hits"], end["program_misses"] - start["program_misses"]
     print(f"fused eager over {steps} tiny Llama training steps (after {warmup} warm-up steps)")
     print(f"  program cache hit rate {hits / max(hits + misses, 1):.2%} ({hits} hits, {misses} misses)")
+    report(f"fused program cache hit rate over {steps} training steps", 100 * hits / max(hits + misses, 1), "%",
+           f"goal ~100% after {warmup} warm-up steps")
+    report(f"fused resident memory growth, step {warmup} to {steps}", end["RSS MiB"] - start["RSS MiB"], "MiB",
+           "goal: no growth")
     for name in ("programs", "eager programs", "device MiB", "RSS MiB"):
         print(f"  {name:15s} at step {warmup}: {start[name]:9.1f}   at step {steps}: {end[name]:9.1f}")
     print()
@@ -262,10 +269,13 @@ def main() -> None:
     print(f"  jax.jit {jit * 1e6:8.1f}   tpu strict {strict * 1e6:8.1f}   tpu fused {fused_op * 1e6:8.1f}")
     print(f"  fused / jax.jit {fused_op / jit:5.2f}x (goal <= 1.3x)   strict / jax.jit {strict / jit:5.2f}x   "
           f"program cache: {hits['program_hits']} hits, {hits['program_misses']} misses\n")
+    report("x = x + b: tpu fused / jax.jit time per op", fused_op / jit, "x", "jax.jit(jnp.add) (goal <= 1.3x)")
+    report("x = x + b: tpu strict / jax.jit time per op", strict / jit, "x", "jax.jit(jnp.add)")
 
-    compare_with_cpu("tiny Llama forward (hidden 256, 4 layers, 64 tokens), ms per forward", llama_forward, 1.2,
-                     args.repeats, on_cuda=True)
-    compare_with_cpu("tiny Llama training step (forward, backward, AdamW), ms per step", llama_training_step, 1.5,
+    compare_with_cpu("tiny Llama forward", "tiny Llama forward (hidden 256, 4 layers, 64 tokens), ms per forward",
+                     llama_forward, 1.2, args.repeats, on_cuda=True)
+    compare_with_cpu("tiny Llama training step",
+                     "tiny Llama training step (forward, backward, AdamW), ms per step", llama_training_step, 1.5,
                      args.repeats)
     steady_state(args.steps)
 

@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+from _report import report
+
 
 def torch_import_microseconds(autoload: bool) -> int:
     """Cumulative import time of ``torch`` (µs) in a fresh interpreter, with autoload on or off."""
@@ -51,6 +53,10 @@ def main() -> None:
     print(f"  TORCH_DEVICE_BACKEND_AUTOLOAD=0 (torch alone):   {without:8.1f} ms")
     print(f"  TORCH_DEVICE_BACKEND_AUTOLOAD=1 (loads hf_tpu):  {with_autoload:8.1f} ms")
     print(f"  added by hf_tpu's autoload:                      {with_autoload - without:8.1f} ms")
+    report("import torch: added by hf_tpu's autoload", with_autoload - without, "ms",
+           "import torch with TORCH_DEVICE_BACKEND_AUTOLOAD=0")
+    report("import torch: autoload / torch alone", with_autoload / without, "x",
+           "import torch with TORCH_DEVICE_BACKEND_AUTOLOAD=0")
 
 
 if __name__ == "__main__":

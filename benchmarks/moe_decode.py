@@ -43,6 +43,7 @@ import torch
 import transformers
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 from hf_tpu.kernels import pallas, transformers_wiring
 
 IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
@@ -176,10 +177,14 @@ def summary(results: dict[Variant, Result]) -> None:
     best_cpu = min((ms, name) for name, ms in timed.items() if name.startswith("cpu"))
     best_tpu = min((ms, name) for name, ms in timed.items() if name.startswith("tpu"))
     print(f"best tpu ({best_tpu[1]}) vs best cpu ({best_cpu[1]}): {best_cpu[0] / best_tpu[0]:.2f}x")
+    report("speed, best tpu / best cpu variant", best_cpu[0] / best_tpu[0], "x", f"{best_tpu[1]} against {best_cpu[1]}")
     default = timed.get("tpu compiled grouped_mm")
+    if default:
+        report("speed, tpu compiled grouped_mm / " + REFERENCE, timed[REFERENCE] / default, "x", REFERENCE)
     for name in ("tpu compiled batched_mm", f"tpu compiled {PALLAS}", "tpu compiled kernels.enable"):
         if default and name in timed:
             print(f"{name} vs tpu compiled grouped_mm: {default / timed[name]:.2f}x")
+            report(f"speed, {name} / tpu compiled grouped_mm", default / timed[name], "x", "tpu compiled grouped_mm")
     print("(above 1 = the first is faster)")
 
 

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 
 
 def transformer():
@@ -100,7 +101,7 @@ def measure(model: torch.nn.Module, on_tpu: dict, repeats: int) -> tuple[float, 
     return peak, best * 1e3, output
 
 
-def print_table(title: str, rows: list[tuple[str, tuple[float, float, torch.Tensor]]]) -> None:
+def print_table(model: str, title: str, rows: list[tuple[str, tuple[float, float, torch.Tensor]]]) -> None:
     print(f"{title}\n")
     print(f"{'variant':<24} {'peak MB':>9} {'/ on chip':>10} {'ms':>9} {'/ on chip':>10} {'max |diff|':>11}")
     peak_on_chip, milliseconds_on_chip, reference = rows[0][1]
@@ -108,6 +109,10 @@ def print_table(title: str, rows: list[tuple[str, tuple[float, float, torch.Tens
         difference = (output - reference).abs().max().item()
         print(f"{name:<24} {peak / 2**20:9.1f} {peak / peak_on_chip:9.2f}x {milliseconds:9.1f} "
               f"{milliseconds / milliseconds_on_chip:9.2f}x {difference:11.2e}")
+        if name != rows[0][0]:
+            report(f"{model}, {name}: peak device memory / on chip", peak / peak_on_chip, "x", "the model on the chip")
+            report(f"{model}, {name}: forward time / on chip", milliseconds / milliseconds_on_chip, "x",
+                   "the model on the chip")
     print()
 
 
@@ -154,11 +159,12 @@ def main() -> None:
     repeats = parser.parse_args().repeats
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}\n")
     size, rows = diffusers_rows(repeats)
-    print_table(f"diffusers SD3 transformer, {size / 2**20:.1f} MB of float32 weights; one forward, "
-                "256 image + 32 text tokens", rows)
+    print_table("SD3 transformer", f"diffusers SD3 transformer, {size / 2**20:.1f} MB of float32 weights; "
+                "one forward, 256 image + 32 text tokens", rows)
     with tempfile.TemporaryDirectory() as folder:
         size, rows = transformers_rows(repeats, folder)
-    print_table(f"transformers Llama, {size / 2**20:.1f} MB of float32 weights; one forward over 64 tokens", rows)
+    print_table("Llama", f"transformers Llama, {size / 2**20:.1f} MB of float32 weights; one forward over 64 tokens",
+                rows)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import statistics
 import time
 from typing import Callable
 
+from _report import report
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -146,6 +148,9 @@ def model_figures(args: argparse.Namespace, tp_sizes: list[int]) -> None:
     for tp, per_chip in bytes_of.items():
         print(f"{tp:>3} " + " ".join(f"{used / 2**20:10.2f}" for used in per_chip)
               + f" {max(per_chip) / max(bytes_of[first]):15.2f}x {sum(per_chip) / 2**20:13.2f}")
+        if tp != first:
+            report(f"tp {tp}: fullest chip's weight bytes / tp {first}", max(per_chip) / max(bytes_of[first]), "x",
+                   f"tp {first} (1/tp at best)")
     print(f"\n2. Greedy decode, prompt {args.prompt}, {args.new_tokens} new tokens (tokens/s over the whole generate "
           f"call, median of {args.repeats})\n")
     print(f"{'path':<30} {'cache':<18} {'tokens/s':>9} {'/ tp ' + str(first):>8} "
@@ -155,6 +160,9 @@ def model_figures(args: argparse.Namespace, tp_sizes: list[int]) -> None:
             rate, same = rates[cache]
             print(f"{'SPMD one process, tp ' + str(tp):<30} {cache:<18} {rate:9.1f} "
                   f"{rate / rates_of[first][cache][0]:7.2f}x {str(same):>22}")
+            if tp != first:
+                report(f"tp {tp}, {cache} decode: tokens/s / tp {first}", rate / rates_of[first][cache][0], "x",
+                       f"tp {first}, the same greedy decode")
     print(f"{'tpu_dist one process per chip':<30} {'any':<18} "
           "see python benchmarks/tensor_parallel.py (torchrun rows beside SPMD ones)")
     if runtime.backing_platform() == "cpu":
@@ -207,6 +215,8 @@ def op_figures(args: argparse.Namespace) -> None:
             spread = microseconds_per_op(op, sharded, args.op_repeats)
             print(f"{name:<22} {label + ' ' + str(size):>11} {single:12.1f} {spread:11.1f} {spread / single:10.2f}x "
                   f"{difference:11.2e}")
+            report(f"{name} {size}x{size}, {chips} chips / one chip time", spread / single, "x",
+                   "the same eager op on one chip")
 
 
 def main() -> None:

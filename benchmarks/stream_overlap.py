@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+from _report import report
 
 
 def split_cores() -> tuple[set[int], set[int]]:
@@ -121,6 +122,9 @@ def main() -> None:
     print()
     print(f"serialized / streams: {serialized_ms / streams_ms:.2f}x (ideal "
           f"{serialized_ms / max(compute_ms, copies_ms):.2f}x); the streams hid {hidden:.0%} of the shorter part")
+    report("serialized / streams time", serialized_ms / streams_ms, "x",
+           f"copies on a transfer stream (ideal {serialized_ms / max(compute_ms, copies_ms):.2f}x)")
+    report("the shorter part's time the streams hid", 100 * hidden, "%", "compute alone, copies alone")
 
 
 if __name__ == "__main__":

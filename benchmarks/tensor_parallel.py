@@ -45,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _report
+
 FULL = dict(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1376, vocab=2048, prompt=16, new_tokens=32,
             repeats=3, tp="1,2,4")
 QUICK = dict(FULL, hidden=128, layers=2, intermediate=344, vocab=512, prompt=8, new_tokens=8, repeats=1, tp="1,2")
@@ -229,6 +231,14 @@ def report(args: argparse.Namespace, model_bytes: int, figures: dict[tuple[str, 
         print(f"{kind:<9} {tp:>3} {rate[(kind, tp)]:9.1f} {rate[(kind, tp)] / rate[('one chip', 1)]:6.2f}x {versus} "
               f"{fullest / 2**20:16.2f} {fullest / max(per_chip[('one chip', 1)]):6.2f}x "
               f"{sum(per_chip[(kind, tp)]) / 2**20:13.2f} {str(same[(kind, tp)]):>20}")
+        if kind != "one chip":
+            _report.report(f"{kind} TP={tp}: tokens/s / TP=1", rate[(kind, tp)] / rate[("one chip", 1)], "x",
+                           "one process, one chip")
+            _report.report(f"{kind} TP={tp}: fullest chip's weight bytes / TP=1",
+                           fullest / max(per_chip[("one chip", 1)]), "x", "the whole model on one chip")
+        if kind == "SPMD":
+            _report.report(f"SPMD TP={tp}: tokens/s / tpu_dist", rate[(kind, tp)] / rate[("tpu_dist", tp)], "x",
+                           f"torchrun + tpu_dist, {tp} processes")
     print("\nWeight MB on each chip (torch.tpu.memory_allocated after loading, less before; tpu_dist: rank k's chip)")
     for (kind, tp), used in per_chip.items():
         unit = "rank" if kind == "tpu_dist" else "chip"

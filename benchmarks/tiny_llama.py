@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from _report import report
+
 SEQUENCE = 64
 
 
@@ -29,6 +31,8 @@ def print_table(title: str, unit: str, rows: list[tuple[str, float]]) -> None:
     print(f"{'variant':<16} {'ms':>8} {'/ ' + rows[0][0]:>20}")
     for name, value in rows:
         print(f"{name:<16} {value:8.2f} {value / rows[0][1]:19.2f}x")
+    for name, value in rows[1:]:
+        report(f"{name} / {rows[0][0]} time per {unit}", value / rows[0][1], "x", rows[0][0])
 
 
 def repeats_from_command_line(description: str) -> int:

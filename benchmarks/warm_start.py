@@ -35,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 
+from _report import report
+
 GOAL_SECONDS = 1.0
 
 _CHILD = """
@@ -119,13 +121,21 @@ def main() -> None:
     print(f"\ntpu warm / cold: {warm['wall'] / cold['wall']:.2f}x; warm / warm with Dynamo tracing: "
           f"{warm['wall'] / traced['wall']:.2f}x; / warm with the XLA cache only: {warm['wall'] / before['wall']:.2f}x")
     print(f"tpu warm / cpu eager backend (Dynamo alone): {warm['wall'] / rows['cpu eager backend']['wall']:.2f}x")
+    report("first call, tpu warm / cold", warm["wall"] / cold["wall"], "x", "tpu with empty caches")
+    report("first call, tpu warm / warm with Dynamo tracing", warm["wall"] / traced["wall"], "x",
+           "TORCH_CACHING_PRECOMPILE=0")
+    report("first call, tpu warm / cpu eager backend", warm["wall"] / rows["cpu eager backend"]["wall"], "x",
+           "Dynamo alone (backend='eager' on CPU)")
     if not args.no_inductor:
         print(f"tpu warm / cpu inductor warm: {warm['wall'] / rows['cpu inductor warm']['wall']:.2f}x")
+        report("first call, tpu warm / cpu inductor warm", warm["wall"] / rows["cpu inductor warm"]["wall"], "x",
+               "Inductor on CPU, warm caches")
     for name in ("tpu warm", "tpu warm, no backend"):
         result = rows[name]
         verdict = "met" if result["with_compile"] <= GOAL_SECONDS else "not met"
         print(f"goal: {name}, torch.compile and first call <= {GOAL_SECONDS:.1f} s: {verdict} "
               f"({result['with_compile']:.2f} s; first call {result['wall']:.2f} s)")
+        report(f"{name}: torch.compile and first call", result["with_compile"], "s", f"goal <= {GOAL_SECONDS:.1f} s")
 
 
 if __name__ == "__main__":
