@@ -263,7 +263,7 @@ def _(mo, one_process_bytes, one_process_tokens, ranks, spmd_bytes, spmd_tokens)
     The static cache (`cache_implementation="static"`, its decode step compiled with the collectives inside
     the program), Qwen3 and Qwen3-MoE (with expert parallelism too) behave the same:
     `tests/test_tpu_dist_transformers.py` checks them at 2 and 4 processes. Beyond one host, `hf-tpu launch`
-    takes torchrun's `--nnodes`, `--node-rank` and `--rdzv-endpoint`: see `docs/multi_host.md`.
+    takes torchrun's `--nnodes`, `--node-rank` and `--rdzv-endpoint`: see `docs/guide/multi-host.md`.
     """)
     return
 
