@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from typing import Any, Callable
@@ -55,6 +56,29 @@ def check_against_cpu(fn: Callable[..., Any], *args: Any, **tolerances: Any) -> 
     actual = fn(*to_tpu(args))
     assert_same(actual, expected, **tolerances)
     return actual
+
+
+TRACED = "/jax/core/compile/jaxpr_trace_duration"  # JAX traced a program (a new one, or an old one for new shapes)
+COMPILED = "/jax/core/compile/backend_compile_duration"  # XLA compiled one
+
+
+@contextlib.contextmanager
+def counting_jax_events(event: str):
+    """Collects the durations of JAX's monitoring events named ``event`` (:data:`TRACED`, :data:`COMPILED`) inside
+    the block."""
+    import jax
+
+    durations = []
+
+    def listener(name: str, duration: float, **kwargs: Any) -> None:
+        if name == event:
+            durations.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield durations
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def tiny_llama(**overrides: Any) -> torch.nn.Module:

@@ -3,31 +3,10 @@ a new position compiles nothing new (strict and fused eager), and every position
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import pytest
 import torch
 
-from conftest import assert_same
-
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-
-
-@contextlib.contextmanager
-def counting_traces():
-    """Counts the programs JAX traces (a new program, or an old one for new shapes) inside the block."""
-    traces = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event == TRACE_EVENT:
-            traces.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield traces
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+from conftest import TRACED, assert_same, counting_jax_events
 
 
 @pytest.fixture(params=["strict", "fused"])
@@ -78,7 +57,7 @@ def test_a_new_position_compiles_nothing(name, eager_mode):
     operation, positions = OPERATIONS[name]
     base = _base(torch.float16)  # a dtype no other test reads at these positions: its programs are traced here
     operation(base.to("tpu"), positions[0]).cpu()  # the programs, traced at the first position
-    with counting_traces() as traces:
+    with counting_jax_events(TRACED) as traces:
         for position in positions[1:]:
             operation(base.to("tpu"), position).cpu()
     assert not traces, f"{len(traces)} programs traced at new positions"

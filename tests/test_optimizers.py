@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
-import jax
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import check_against_cpu
+from conftest import COMPILED, check_against_cpu, counting_jax_events
 from hf_tpu.backend import fused
 
 torch.manual_seed(0)
@@ -159,31 +156,16 @@ def test_foreach_through_views():
     check_against_cpu(run, [torch.randn(6), torch.randn(3, 2), torch.randn(4, 3)])
 
 
-@contextlib.contextmanager
-def count_compilations():
-    compiled = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
 def test_one_program_per_call_and_no_recompile_for_new_scalars():
     shapes = [(7, 3), (11,), (2, 5, 3), (13, 1)]
     params, others, denominators = ([torch.randn(s).to("tpu") for s in shapes] for _ in range(3))
-    with count_compilations() as compiled:
+    with counting_jax_events(COMPILED) as compiled:
         torch._foreach_addcdiv_(params, others, denominators, [0.1, 0.2, 0.3, 0.4])
         torch._foreach_lerp_(params, others, 0.3)
         torch.tpu.synchronize()  # in fused eager mode the chain of both calls runs here
     # one program per call (in fused eager mode, one for the chain of both), whatever the number of tensors
     assert len(compiled) == (1 if fused.ON else 2)
-    with count_compilations() as compiled:
+    with counting_jax_events(COMPILED) as compiled:
         torch._foreach_addcdiv_(params, others, denominators, [0.5, 0.6, 0.7, 0.8])
         torch._foreach_lerp_(params, others, 0.7)
         torch.tpu.synchronize()

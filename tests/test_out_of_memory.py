@@ -116,7 +116,7 @@ def test_the_cpu_platforms_device_reports_what_the_host_can_give():
     from hf_tpu.backend import devices, runtime
 
     if runtime.backing_platform() != "cpu":
-        pytest.skip("the device's memory is the host's on JAX's CPU platform only")
+        pytest.skip("only on JAX's CPU platform is the device's memory the host's (docs/guide/troubleshooting.md)")
     free, total = torch.tpu.mem_get_info()
     meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
                if line.rstrip().endswith("kB")}
@@ -129,7 +129,8 @@ def test_a_result_larger_than_the_host_can_give_is_refused_before_the_os_steps_i
     from hf_tpu.backend import runtime
 
     if runtime.backing_platform() != "cpu":
-        pytest.skip("on chips XLA's RESOURCE_EXHAUSTED says so")
+        pytest.skip("the host-memory check is the CPU platform's (docs/guide/troubleshooting.md); a chip's own "
+                    "memory fails with XLA's RESOURCE_EXHAUSTED, tested above")
     free = torch.tpu.mem_get_info()[0]
     with pytest.raises(torch.OutOfMemoryError, match="tpu out of memory"):
         torch.ones(free // 2 + 7, 3, device="tpu")  # 1.5x what the host has available, never allocated
@@ -144,7 +145,7 @@ def test_find_executable_batch_size_settles_on_what_the_host_can_give(monkeypatc
     from hf_tpu.backend import devices, runtime
 
     if runtime.backing_platform() != "cpu":
-        pytest.skip("the device's memory is the host's on JAX's CPU platform only")
+        pytest.skip("only on JAX's CPU platform is the device's memory the host's (docs/guide/troubleshooting.md)")
     monkeypatch.setattr(devices, "host_memory", lambda: (200 << 20, 1 << 30))
     tried = []
 
