@@ -3,6 +3,7 @@ memory (as on CPU), and a holder that forbids it (a JAX array, another storage) 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from hf_tpu.backend import storage
 
 
 def _address(tensor: torch.Tensor) -> int:
-    return storage.buffer_of(tensor).array.unsafe_buffer_pointer()
+    return storage.buffer_of(tensor).materialize().unsafe_buffer_pointer()
 
 
 def _copies() -> int:
@@ -109,3 +110,33 @@ def test_fused_mode_gives_the_same_values():
         assert_same(x, cpu)
     finally:
         torch.tpu.set_eager_mode("strict")
+
+
+@pytest.mark.parametrize("name", ["add_", "row_write", "setitem"])
+def test_a_fused_chain_writes_into_the_tensors_own_memory(name):
+    from hf_tpu.backend import fused
+
+    torch.manual_seed(0)
+    cpu = torch.rand(512, 1024)  # 2 MiB: past the size below which a chain donates nothing
+    assert cpu.numel() * 4 >= fused.DONATED_BYTES
+    x = cpu.to("tpu")
+    torch.tpu.set_eager_mode("fused")
+    try:
+        for _ in range(2):  # the chain's program, built at the first run
+            UPDATES[name](x)
+            UPDATES[name](cpu)
+            torch.tpu.synchronize()
+        address = _address(x)
+        UPDATES[name](x)
+        UPDATES[name](cpu)
+        torch.tpu.synchronize()
+        assert _address(x) == address
+        held = hf_tpu.to_jax(x)  # a holder of the old value: that chain copies, and the holder keeps its values
+        before = np.array(held)
+        UPDATES[name](x)
+        UPDATES[name](cpu)
+        torch.tpu.synchronize()
+        assert np.array_equal(np.asarray(held), before)
+    finally:
+        torch.tpu.set_eager_mode("strict")
+    assert_same(x, cpu)

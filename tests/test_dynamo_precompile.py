@@ -238,6 +238,33 @@ def test_a_package_that_cannot_be_written_warns_and_the_compile_goes_on(monkeypa
                for warning in caught)
 
 
+_POSITIONS_CHILD = r"""
+import json
+import torch
+from torch._dynamo.utils import counters
+x = torch.arange(8 * 64, dtype=torch.float32).reshape(8, 64)
+
+
+def columns(x, p):
+    return (x[:, p:p + 4] * 2).sum(1)
+
+
+compiled = torch.compile(columns, backend="tpu")
+traced = []
+for position in range(1, 7):
+    before = counters["stats"]["unique_graphs"]
+    assert torch.equal(compiled(x.to("tpu"), position).cpu(), columns(x, position))
+    traced.append(counters["stats"]["unique_graphs"] - before)
+print(json.dumps(traced))
+"""
+
+
+def test_a_process_that_loads_a_function_knows_which_int_inputs_were_dynamic(tmp_path: pathlib.Path) -> None:
+    assert _process(_POSITIONS_CHILD, str(tmp_path)) == [1, 1, 0, 0, 0, 0]  # static at 1, then dynamic
+    for _ in range(2):  # without the profile, each process traced one more position as a constant
+        assert sum(_process(_POSITIONS_CHILD, str(tmp_path))) <= 1
+
+
 _DEFAULT_CHILD = r"""
 import json
 import torch

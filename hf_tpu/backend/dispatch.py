@@ -42,6 +42,7 @@ class Lowering:
     sees_layout: bool = False
     calls_kernels: bool = False
     specialized: dict[str, frozenset] = field(default_factory=dict)
+    positions: frozenset[str] = frozenset()
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -50,7 +51,7 @@ CUSTOM_KERNELS: dict[str, Callable[..., Any]] = {}
 
 def lowering(
     *names: str, static: tuple[str, ...] = (), writes_overlapping: bool = False, sees_layout: bool = False,
-    calls_kernels: bool = False, specialized: dict[str, tuple] | None = None,
+    calls_kernels: bool = False, specialized: dict[str, tuple] | None = None, positions: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
     """Registers a JAX lowering for ATen overloads (``"add.Tensor"``; namespace ``aten`` unless given).
 
@@ -66,11 +67,14 @@ def lowering(
     ``specialized`` maps Scalar parameters to values that, given as Python numbers, reach the lowering as
     themselves (a program each) rather than traced: ``pow(x, 2)`` computes ``x * x``, as torch's CPU kernel does,
     where a traced exponent costs XLA's general power function; other values stay traced (one program for all).
+    ``positions`` names integer (list) parameters that are traced like Scalars rather than static: ``roll``'s
+    shifts, so that a new shift reuses the program.
     """
 
     def register(fn: Callable) -> Callable:
         special = {name: frozenset(values) for name, values in (specialized or {}).items()}
-        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout, calls_kernels, special)
+        entry = Lowering(fn, frozenset(static), writes_overlapping, sees_layout, calls_kernels, special,
+                         frozenset(positions))
         for name in names:
             _check_unregistered(LOWERINGS, name, fn)
             LOWERINGS[name] = entry
@@ -105,10 +109,12 @@ def resolve(name: str) -> torch._ops.OpOverload:
     return getattr(getattr(getattr(torch.ops, namespace or "aten"), packet), overload or "default")
 
 
-def _kind(argument: torch._C.Argument, static: frozenset[str]) -> int:
+def _kind(argument: torch._C.Argument, static: frozenset[str], positions: frozenset[str]) -> int:
     text = str(argument.type)
     if argument.name in static:
         return _STATIC
+    if argument.name in positions:
+        return _SCALAR
     if text == "Tensor":
         return _TENSOR
     if text == "Optional[Tensor]":
@@ -421,7 +427,7 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
     written = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
     is_out = [w and a.kwarg_only for w, a in zip(written, arguments)]
     inputs = [i for i in range(len(arguments)) if not is_out[i]]
-    kinds = [_kind(arguments[i], entry.static) for i in inputs]
+    kinds = [_kind(arguments[i], entry.static, entry.positions) for i in inputs]
     tensor_slots = [
         (slot, inputs[slot], kind) for slot, kind in enumerate(kinds) if kind in (_TENSOR, _OPT_TENSOR, _TENSOR_LIST)
     ]

@@ -184,6 +184,14 @@ def scalar_operand(value: Any, wide: bool) -> Any:
     return jnp.asarray(value)
 
 
+def weak_integer(value: Any) -> Any:
+    """A traced integer as a lowering receives a Python int: a weakly-typed int64 scalar (an ``int8`` tensor plus
+    it stays ``int8``)."""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(value, np.dtype("int64"), weak_type=True)
+
+
 def result_type(*operands: Any) -> Any:
     """torch.result_type over JAX arrays/tracers and Python scalars, as a JAX dtype.
 

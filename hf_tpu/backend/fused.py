@@ -256,11 +256,11 @@ def _unchecked(fn: Callable) -> Callable:
 class _Trace:
     """An op's program traced for one input signature: ``jaxpr`` (closed, of the flattened inputs), the structure
     of its result (``None`` for one array), per result leaf (shape, dtype, signature, size), ``check``: whether the
-    last output is a check; ``exact``: no value in it is a floating-point one; ``fusible``: its floats are only
-    rounded correctly, moved and compared (both: see :func:`_build`); ``work``: its results' elements, none for a
-    fusible op (see :data:`MAX_WORK`); ``may_fail``: it
-    calls out of XLA's own ops (see :func:`_may_fail`), so an op of it keeps the line that recorded it; ``alone``: the
-    jaxpr jitted by itself, made when an op of this trace first runs alone."""
+    last output is a check; ``exact``: it computes no floating-point value (:func:`_exact`); ``fusible``: its
+    floats are only rounded correctly, moved and compared (both: see :func:`_build`); ``work``: its results'
+    elements, none for a fusible op (see :data:`MAX_WORK`); ``may_fail``: it calls out of XLA's own ops (see
+    :func:`_may_fail`), so an op of it keeps the line that recorded it; ``alone``: the jaxpr jitted by itself, made
+    when an op of this trace first runs alone."""
 
     __slots__ = ("jaxpr", "tree", "leaves", "check", "work", "exact", "fusible", "may_fail", "alone")
 
@@ -294,12 +294,23 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     return found
 
 
+_MOVES = frozenset({
+    # operations whose floating-point results are elements of their operands (or constants), moved
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "slice", "dynamic_slice",
+    "dynamic_update_slice", "concatenate", "pad", "rev", "select_n", "copy", "copy_p", "gather", "scatter",
+    "pjit", "jit", "closed_call"})
+
+
 def _exact(jaxpr: Any) -> bool:
-    """Whether no value of ``jaxpr`` (its inputs, constants, outputs, every equation's results, and those of the
-    jaxprs inside its equations) is a floating-point one: integer and boolean arithmetic is exact, however XLA
-    fuses it with its neighbours."""
-    return not any(jax.numpy.issubdtype(value.aval.dtype, np.inexact) for value in _values(jaxpr)) and all(
-        _exact(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
+    """Whether ``jaxpr`` computes nothing from a floating-point value (nor do the jaxprs inside its equations): every
+    equation that reads or gives one moves elements (:data:`_MOVES`: a view's read or write, a cache written at a
+    position); integer and boolean arithmetic is exact, however XLA fuses it with its neighbours, and moved floats
+    are values their producers pinned or isolated already (see :func:`_build`)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _MOVES and any(
+                jax.numpy.issubdtype(var.aval.dtype, np.inexact) for var in (*eqn.invars, *eqn.outvars)):
+            return False
+    return all(_exact(inner) for inner in jax.extend.core.subjaxprs(jaxpr))
 
 
 _CORRECTLY_ROUNDED = frozenset({
@@ -485,8 +496,9 @@ def _run(chain: _Chain) -> None:
         _release(chain)
         return
     live_slots = tuple(handle.slot for handle in live)
+    donated = _donated(chain.inputs, live)
     key = (tuple(map(_structure_of, chain.ops)), tuple(chain.input_slots),
-           tuple(chain.input_signatures), live_slots)
+           tuple(chain.input_signatures), live_slots, donated)
     program = _programs.get(key)
     if program is None:
         _stats["program_misses"] += 1
@@ -495,7 +507,8 @@ def _run(chain: _Chain) -> None:
             _stats["op_by_op"] += 1
             program = functools.partial(_op_by_op, chain, live_slots)
         else:
-            program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots)
+            program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots,
+                                              donated)
             _built[structure] = None
             if len(_built) > _REMEMBERED:
                 _built.popitem(last=False)
@@ -528,6 +541,33 @@ def _run(chain: _Chain) -> None:
         checks.defer(check, chain.device)
 
 
+DONATED_BYTES = 1 << 20
+"""An input array of a chain this large that only the chain holds is donated to its program (see :func:`_donated`);
+smaller ones are not worth a program variant."""
+
+
+def _donated(inputs: list, live: list) -> tuple[int, ...]:
+    """The positions of the chain's inputs whose memory its program may write its results into: arrays of at least
+    :data:`DONATED_BYTES` that nothing but the chain holds (a storage written in place by the chain: its old array;
+    neither a tensor's current array nor one a view, a saved tensor or the user still holds), each matched with a
+    live result of its shape and dtype. An in-place update, or a cache written at a position, then needs the
+    tensor's size once, as in strict mode (:func:`dispatch.build_kernel`'s ``donated_slots``)."""
+    wanted = {}
+    for handle in live:
+        wanted[handle.shape, handle.dtype] = wanted.get((handle.shape, handle.dtype), 0) + 1
+    positions = []
+    for position in range(len(inputs)):
+        array = inputs[position]
+        if array.__class__ is not jax.Array and not isinstance(array, jax.Array) or array.nbytes < DONATED_BYTES:
+            continue
+        # references: the inputs list, this variable, getrefcount's argument, and the newest-array records
+        if sys.getrefcount(array) - completion.is_latest(array) > 3 or not wanted.get((array.shape, array.dtype)):
+            continue
+        wanted[array.shape, array.dtype] -= 1
+        positions.append(position)
+    return tuple(positions)
+
+
 def _op_by_op(chain: _Chain, live_slots: tuple, *inputs: Any) -> tuple[list, Any]:
     """The chain's live results and first failed check, each op's trace run as a program of its own (as strict
     mode runs the op)."""
@@ -557,15 +597,17 @@ def _resolve(refs: tuple, values: Any) -> list:
         None if ref is None else tuple(None if item is None else values[item] for item in ref)) for ref in refs]
 
 
-def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) -> Callable:
+def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int, donated: tuple[int, ...] = ()) \
+        -> Callable:
     """One jitted program running the chain's ops in order: the inputs in, the live results and one check out.
 
     Each op runs as the taken branch of a conditional on ``gate`` (an input, always true): XLA fuses within a
     branch but not across, so each op's arithmetic is compiled as in its own program (a fused loop could contract
     one op's ``x * y`` and the next one's ``+ z`` into a fused multiply-add, which rounds differently), and the
-    results are those of strict mode, bit for bit. An op with no floating-point value (:func:`_exact`: integer and
-    boolean bookkeeping, such as ``generate``'s token and stopping tensors) runs as it is: fusing it cannot change
-    a bit, and a conditional costs XLA about four times the compile time of what it holds. Neither does an op
+    results are those of strict mode, bit for bit. An op that computes no floating-point value (:func:`_exact`:
+    integer and boolean bookkeeping, such as ``generate``'s token and stopping tensors; a view's read or write)
+    runs as it is: fusing it cannot change a bit, a conditional costs XLA about four times the compile time of what
+    it holds, and a cache written at a position in a donated buffer is updated in place. Neither does an op
     whose floats are only rounded correctly, compared and moved (:func:`_fusible`: additions, products, quotients,
     square roots, selections, casts, concatenations: an optimizer's update, a residual add), once its float
     results are pinned (:func:`_pinned`) so that no arithmetic of its neighbours can be contracted with them: such
@@ -597,7 +639,8 @@ def _build(ops: list[_Op], input_slots: tuple, live_slots: tuple, slots: int) ->
             values[first:first + len(outputs)] = outputs
         return [values[slot] for slot in live_slots], (checks._first_failure(tuple(found)) if found else None)
 
-    program = jax.jit(chain_program, compiler_options=None if isolating else {"xla_allow_excess_precision": False})
+    program = jax.jit(chain_program, donate_argnums=tuple(1 + position for position in donated),
+                      compiler_options=None if isolating else {"xla_allow_excess_precision": False})
     return functools.partial(program, _gate())
 
 

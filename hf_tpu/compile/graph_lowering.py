@@ -4,8 +4,11 @@ The jitted function interprets the graph node by node with the op table eager mo
 (:data:`..backend.dispatch.LOWERINGS`) and the graph-mode lowerings of :mod:`.graph_ops`. Every
 non-tensor argument of an op is a compile-time constant; Scalars the op table traces in eager mode
 (``alpha`` of ``add``) become constant arrays, so each lowering sees what it sees in eager mode.
-Integer graph inputs (symbolic sizes) are static arguments of the jit. Input mutations (``copy_``
-into a graph input) come out of the program as extra results and are written to the caller's tensors.
+Integer graph inputs (symbolic sizes) are static arguments of the jit, except positions: an integer input whose
+value no shape in the graph depends on (a slice's start, a select's index, a cache position Dynamo made dynamic)
+is an argument of the program, so one program serves every value. If a lowering cannot take it traced (it needs
+the number itself), the graph is traced again with it static. Input mutations (``copy_`` into a graph input) come
+out of the program as extra results and are written to the caller's tensors.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
 from ..backend.ops.memory import to_device
 from ..backend.forks import check_not_forked
+from ..backend.positions import is_traced
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
 from . import fast_call, recompiles
@@ -87,7 +91,7 @@ class _Step:
     ``static`` names the parameters the lowering takes as Python values; ``None`` means all of them.
     """
 
-    __slots__ = ("node", "fn", "arguments", "scalar_slots", "dtype_slot", "layout")
+    __slots__ = ("node", "fn", "arguments", "scalar_slots", "dtype_slot", "keywords")
 
     def __init__(self, node: fx.Node, fn: Callable, static: frozenset[str] | None, sees_layout: bool = False,
                  specialized: dict[str, frozenset] | None = None) -> None:
@@ -99,7 +103,9 @@ class _Step:
             slot for slot, (argument, value) in enumerate(bound)
             if _is_traced_scalar(argument, value, static, specialized or {})
         ]
-        self.layout = {"contiguous": _contiguity(bound)} if sees_layout else {}
+        self.keywords = {"contiguous": _contiguity(bound)} if sees_layout else {}
+        if getattr(fn, "sees_result", False):
+            self.keywords["result"] = node.meta["val"]
 
     def run(self, env: dict) -> Any:
         call = [_materialize(value, env) for value in self.arguments]
@@ -110,7 +116,7 @@ class _Step:
                 call[slot] = (tuple(dtypes.scalar_operand(v, wide) for v in value) if isinstance(value, tuple)
                               else dtypes.scalar_operand(value, wide))
         try:
-            return self.fn(*call, **self.layout)
+            return self.fn(*call, **self.keywords)
         except (TypeError, ValueError) as error:
             raise RuntimeError(f"{self.node.target.name()}: {error}") from error
 
@@ -218,6 +224,58 @@ def _is_size(node: fx.Node) -> bool:
             or _is_opaque(node))
 
 
+class _Position:
+    """In the static values of a program's key, an integer input the program takes as an argument."""
+
+    def __repr__(self) -> str:
+        return "<position>"
+
+
+_POSITION = _Position()
+
+
+def _symbols(value: Any) -> set:
+    return set(value.node.expr.free_symbols) if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) \
+        else set()
+
+
+class _Positions:
+    """Which integer inputs of a graph are positions, the program's arguments: inputs whose symbols are in no
+    tensor's shape. A size the graph returns (a forward saves its slice bounds for the backward) is worked out
+    from the call's positions when its symbols are all theirs; otherwise its symbols are the program's constants.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, static_nodes: list[fx.Node], size_outputs: list[fx.Node]) \
+            -> None:
+        shaped = set()
+        for node in graph_module.graph.nodes:
+            for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+                if isinstance(value, torch.Tensor):
+                    for size in value.shape:
+                        shaped |= _symbols(size)
+        returned = [node for node in size_outputs if node.op != "placeholder" and _symbols(node.meta.get("val"))]
+        while True:
+            slots = [slot for slot, node in enumerate(static_nodes)
+                     if isinstance(node.meta.get("val"), torch.SymInt) and not _symbols(node.meta["val"]) & shaped]
+            named = {static_nodes[slot].meta["val"].node.expr: slot for slot in slots
+                     if static_nodes[slot].meta["val"].node.expr.is_Symbol}
+            unknown = [node for node in returned
+                       if _symbols(node.meta["val"]) - shaped and not _symbols(node.meta["val"]) <= named.keys()]
+            if not unknown:
+                break
+            for node in unknown:
+                shaped |= _symbols(node.meta["val"])
+        self.slots = tuple(slots)
+        self._named = named
+        self.computed = {node: node.meta["val"].node.expr for node in returned
+                         if _symbols(node.meta["val"]) <= named.keys()}
+
+    def sizes(self, call_values: tuple) -> dict[fx.Node, int]:
+        """The returned sizes worked out from the positions of a call."""
+        values = {symbol: call_values[slot] for symbol, slot in self._named.items()}
+        return {node: int(expression.xreplace(values)) for node, expression in self.computed.items()}
+
+
 def _check_on_device(node: fx.Node) -> None:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor):
@@ -257,6 +315,9 @@ class CompiledGraph:
         self._size_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and _is_size(n)]
         self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and not _is_size(n)]
         self._traced_sizes: tuple = ()
+        self._size_inputs = {node: slot for slot, node in enumerate(self._static_nodes) if node in self._size_outputs}
+        self._positions = _Positions(graph_module, self._static_nodes, self._size_outputs)
+        self._position_slots = self._positions.slots
         for node in self._tensor_outputs:
             _check_on_device(node)
         for node in self._size_outputs:
@@ -332,17 +393,23 @@ class CompiledGraph:
         return (runtime.waiting(executable) if interpreted else executable), self._traced_sizes
 
     def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple, Any]:
+        """The graph's outputs for these inputs; positions marked in ``static_values`` come in an array after the
+        tensor inputs and constants."""
         signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
         if self._signature is not None:
             recompiles.log_retrace(self.name, self._signature, signature)
         self._signature = signature
+        if _POSITION in static_values:
+            *arrays, positions = arrays
+            traced = (dtypes.weak_integer(position) for position in positions)
+            static_values = tuple(next(traced) if value is _POSITION else value for value in static_values)
         env = dict(zip(self._static_nodes, static_values))
         env.update(zip(self._tensor_nodes + self._constant_nodes, arrays))
         env[_RNG] = rng
         with checks.collecting() as collected:
             for step in self._steps:
                 env[step.node] = step.run(env)
-        self._traced_sizes = tuple(env[node] for node in self._size_outputs)
+        self._traced_sizes = tuple(None if is_traced(env[node]) else env[node] for node in self._size_outputs)
         outputs = tuple(
             env[node] if order is None else jnp.transpose(env[node], order)
             for node, order in zip(self._tensor_outputs, self._layouts)
@@ -354,7 +421,16 @@ class CompiledGraph:
         tensors = [args[i] for i in self._tensor_positions]
         static_values = tuple(args[i] for i in self._static_positions)
         args.clear()  # boxed convention: inputs (saved activations in backward) may die early
+        try:
+            return self._run(tensors, static_values)
+        except _NeedsNumbers:
+            self._position_slots = ()  # a lowering needs the positions' values: from now on they are constants
+            return self._run(tensors, static_values)
+
+    def _run(self, tensors: list[torch.Tensor], call_values: tuple) -> list:
         inputs = tensors + self._constants
+        static_values = tuple(_POSITION if slot in self._position_slots else value
+                              for slot, value in enumerate(call_values))
         plan = self._plan
         arrays = plan.read(inputs, static_values) if plan is not None else None
         fast = arrays is not None
@@ -370,13 +446,23 @@ class CompiledGraph:
         rng = _rng_parts(len(self._random_nodes), device_index) if self._random_nodes else None
         if rng is not None and shardings is not None:
             rng = jax.device_put(rng, storage.replicated(shardings[0]))  # every input is on the mesh now
+        if self._position_slots:
+            positions = np.array([call_values[slot] for slot in self._position_slots], np.int64)
+            arrays = [*arrays, jax.device_put(positions, runtime.device(device_index) if shardings is None
+                                              else storage.replicated(shardings[0]))]
         if fast and donated == plan.donated:
             compiled = plan.compiled
             count("cache_hits")
             count("fast_calls")
         else:
-            compiled = self._compiled(donated, static_values, rng, arrays, shardings)
-            self._plan = fast_call.CallPlan(inputs, arrays, device_index, static_values, donated, compiled) \
+            try:
+                compiled = self._compiled(donated, static_values, rng, arrays, shardings)
+            except Exception as error:
+                if self._position_slots:
+                    raise _NeedsNumbers from error
+                raise
+            self._plan = fast_call.CallPlan(inputs, arrays[:len(inputs)], device_index, static_values, donated,
+                                            compiled) \
                 if inputs and shardings is None and all(type(a.sharding) is storage.ONE_CHIP for a in arrays) \
                 else None
         executable, sizes = compiled
@@ -398,6 +484,9 @@ class CompiledGraph:
             outputs = jax.device_put(outputs, runtime.device(device_index))
         results = iter(zip(outputs, self._tensor_outputs, self._layouts))
         values = dict(zip(self._size_outputs, sizes))
+        values.update((node, call_values[slot]) for node, slot in self._size_inputs.items())
+        if self._position_slots and self._positions.computed:
+            values.update(self._positions.sizes(call_values))
         return [values[o] if o in values else _wrap(*next(results), device_index) if isinstance(o, fx.Node) else o
                 for o in self._outputs]
 
@@ -417,6 +506,10 @@ class CompiledGraph:
         by nothing but its storage (and the newest-array record), passed to the program only once."""
         return tuple(position for position in self._mutated_inputs
                      if storage.donatable(tensors[position], arrays[position], arrays))
+
+
+class _NeedsNumbers(Exception):
+    """Tracing a graph with its positions as arguments failed: a lowering needs them as numbers."""
 
 
 _graph_numbers = itertools.count(1)

@@ -2,7 +2,11 @@
 
 Eager mode computes views with CPU metadata kernels over a shared storage and allocates through
 ``storage``; inside one traced graph there is no storage, so these become functional JAX ops.
-Each function has its ATen schema's parameter list; every non-tensor argument is a Python constant.
+Each function has its ATen schema's parameter list. A non-tensor argument is a Python constant, except a position
+(a slice's bounds, a select's index, a view's offset) that comes from a graph input whose value no shape depends
+on: that is a traced integer, an argument of the program (see :mod:`.graph_lowering`), so a graph whose only change
+is a position reuses its program. Lowerings that take positions accept both; the others fail on a traced one, and
+the graph is then traced again with its positions as constants.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from jax import lax
 
 from ..backend import dtypes, strided
+from ..backend.positions import is_traced, normalized
 from ..backend.dispatch import LOWERINGS, resolve
 
 GRAPH_LOWERINGS: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
@@ -35,6 +40,13 @@ def registrar(table: dict) -> Callable[..., Callable[[Callable], Callable]]:
 
 
 graph_lowering = registrar(GRAPH_LOWERINGS)
+
+
+def sees_result(fn: Callable) -> Callable:
+    """Marks a lowering that takes its node's result (``result=``, the traced fake tensor): a slice at a traced
+    position reads its length from it."""
+    fn.sees_result = True
+    return fn
 
 
 def _dim(dim: int, ndim: int) -> int:
@@ -77,16 +89,50 @@ def expand(self, size, implicit=False):
 
 
 @graph_lowering("slice.Tensor")
-def slice_(self, dim=0, start=None, end=None, step=1):
+@sees_result
+def slice_(self, dim=0, start=None, end=None, step=1, *, result):
+    dim = _dim(dim, self.ndim)
+    if is_traced(start, end):
+        length = int(result.shape[dim])  # a traced bound is no shape's symbol: the length is a number
+        if length == 0:
+            return lax.slice_in_dim(self, 0, 0, axis=dim)
+        start = normalized(0 if start is None else start, self.shape[dim])
+        block = lax.dynamic_slice_in_dim(self, start, (length - 1) * step + 1, dim)
+        return lax.slice_in_dim(block, 0, None, step, dim)
     index = [slice(None)] * self.ndim
-    index[_dim(dim, self.ndim)] = slice(start, end, step)
+    index[dim] = slice(start, end, step)
     return self[tuple(index)]
+
+
+@graph_lowering("slice_scatter")
+def slice_scatter(self, src, dim=0, start=None, end=None, step=1):
+    """``self`` with ``src`` written over ``self[..., start:end:step, ...]``: an update of that block alone."""
+    dim = _dim(dim, self.ndim)
+    src = src.astype(self.dtype)
+    if is_traced(start, end):
+        if step != 1:
+            raise NotImplementedError("slice_scatter with a step at a traced position")  # traced with constants
+        return lax.dynamic_update_slice_in_dim(self, src, normalized(0 if start is None else start, self.shape[dim]),
+                                               dim)
+    index = [slice(None)] * self.ndim
+    index[dim] = slice(start, end, step)
+    return self.at[tuple(index)].set(src)
 
 
 @graph_lowering("select.int")
 def select(self, dim, index):
     dim = _dim(dim, self.ndim)
+    if is_traced(index):
+        return lax.dynamic_index_in_dim(self, normalized(index, self.shape[dim]), dim, keepdims=False)
     return lax.index_in_dim(self, _dim(index, self.shape[dim]), dim, keepdims=False)
+
+
+@graph_lowering("select_scatter")
+def select_scatter(self, src, dim, index):
+    """``self`` with ``src`` written over ``self.select(dim, index)``."""
+    dim = _dim(dim, self.ndim)
+    index = normalized(index, self.shape[dim]) if is_traced(index) else _dim(index, self.shape[dim])
+    return lax.dynamic_update_index_in_dim(self, src.astype(self.dtype), index, dim)
 
 
 @graph_lowering("squeeze", "squeeze.dim", "squeeze.dims")
@@ -103,7 +149,7 @@ def unsqueeze(self, dim):
 @graph_lowering("as_strided")
 def as_strided(self, size, stride, storage_offset=None):
     """The view of a contiguous tensor's elements (graph values have no other storage)."""
-    return strided.read(self.reshape(-1), tuple(size), tuple(stride), storage_offset or 0)
+    return strided.read(self.reshape(-1), tuple(size), tuple(stride), 0 if storage_offset is None else storage_offset)
 
 
 @graph_lowering("split.Tensor")

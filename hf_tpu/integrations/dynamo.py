@@ -14,6 +14,9 @@ the package).
   compile whose backend reaches hf_tpu (``eval_frame._optimize``: ``"tpu"``, or Inductor) and that is not
   ``fullgraph=True`` keeps a package: a package stands in for the backend in later compiles of the function,
   and torch 2.13 raises "found no compiled frames" when a loaded entry serves a ``fullgraph`` call.
+- **Dynamo's profile kept with it** (``torch/_dynamo/pgo.py``, ``get_cache_key``): torch keeps which inputs changed
+  between calls only under a job id; hf_tpu names one (``hf_tpu``) when the user has not, so that a process that
+  installs a package also knows which int inputs were dynamic (see :func:`_on_in_processes_using_tpu`).
 - **A package whose sources cannot be checked** (``CompilePackage.initialize``): a module a saved source check
   names that this process lacks (kernels' generated ones) raised ``ModuleNotFoundError`` from ``torch.compile``;
   it fails as torch's recovery expects (``RuntimeError``), and the function is traced.
@@ -128,11 +131,20 @@ def install(dynamo: types.ModuleType) -> None:
     runtime.when_first_used(_on_in_processes_using_tpu)
 
 
+_PROFILE_JOB = "hf_tpu"
+
+
 def _on_in_processes_using_tpu() -> None:
     """Turns torch's caching precompile on once the process uses the device, unless the user chose
     (``TORCH_CACHING_PRECOMPILE`` set, either way), turned disk caches off (``HF_TPU_CACHE_DIR=off``, torch's
     ``force_disable_caches``) or the process is one of a torchrun launch (``WORLD_SIZE``: its warm runs crashed in
-    ``init_device_mesh``, not understood yet)."""
+    ``init_device_mesh``, not understood yet).
+
+    With it, Dynamo's profile of which inputs changed between calls (``torch._dynamo.pgo``'s local profile) is kept
+    too, under the job id ``hf_tpu`` unless the user set ``torch.compiler.config.job_id``: a new process installs
+    the saved frames of a function, and without the profile it traced each new value of an int input (a slice's
+    position) as a constant again, adding one frame per value and process, where the first process had made the
+    input dynamic at its second value."""
     from ..backend import runtime
 
     compiler_config = importlib.import_module("torch.compiler.config")
@@ -140,6 +152,8 @@ def _on_in_processes_using_tpu() -> None:
             or runtime.compilation_cache_dir() is None or compiler_config.force_disable_caches):
         return
     importlib.import_module("torch._dynamo.config").caching_precompile = True
+    if compiler_config.job_id is None:
+        compiler_config.job_id = _PROFILE_JOB
 
 
 def _patch(owner: Any, name: str, change: Callable[[Callable], Callable]) -> None:

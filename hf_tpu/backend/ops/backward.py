@@ -19,6 +19,7 @@ import torch
 from jax import lax
 
 from ..dispatch import lowering
+from ..positions import is_traced, normalized
 from .linalg import _accumulator
 
 
@@ -72,6 +73,9 @@ def slice_backward(grad_output, input_sizes, dim, start, end, step):
     positions the slice took, zeros between and around them: one padding, where torch's composite makes zeros and
     copies into a view of them (two ops; the copy a scatter here)."""
     dim %= len(input_sizes)
+    if is_traced(start, end) and step == 1:  # graph mode, at a position the program takes as an argument
+        zeros = jnp.zeros(input_sizes, grad_output.dtype)
+        return lax.dynamic_update_slice_in_dim(zeros, grad_output, normalized(start, input_sizes[dim]), dim)
     first, stop, step = slice(start, end, step).indices(input_sizes[dim])
     taken = len(range(first, stop, step))
     if taken == 0:

@@ -396,8 +396,16 @@ def flip(self, dims):
     return jnp.flip(self, axis=tuple(d % self.ndim for d in dims)) if self.ndim else self
 
 
-@lowering("roll", "roll.out")
+@lowering("roll", "roll.out", positions=("shifts",))
 def roll(self, shifts, dims=()):
+    """``self`` shifted by ``shifts`` along ``dims`` (flattened if none), wrapping around. The shifts are traced:
+    one program serves every shift."""
+    if not shifts:
+        raise RuntimeError("`shifts` required")
+    if len(shifts) != max(len(dims), 1):
+        raise RuntimeError(f"shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    if dims and self.ndim == 0:
+        raise IndexError(f"Dimension specified as {dims[0]} but tensor has no dimensions")
     if not dims:
         return jnp.roll(self.reshape(-1), shifts[0]).reshape(self.shape)
     return jnp.roll(self, shifts, axis=tuple(d % self.ndim for d in dims))
