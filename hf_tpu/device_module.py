@@ -147,9 +147,12 @@ def reset_max_memory_allocated(device: Any = None) -> None:
 
 
 def memory_stats(device: Any = None) -> OrderedDict[str, int]:
-    """``torch.cuda.memory_stats``' keys that apply (``allocated_bytes.all.current`` and ``.peak``, allocations and
-    frees), and ``in_place_copies``: in-place updates that could not write into the tensor's own memory because
-    something else held its old values (for a moment the chip held the tensor twice)."""
+    """``torch.cuda.memory_stats``' keys that apply: ``allocated_bytes``, ``active_bytes`` and ``reserved_bytes``
+    (``.all.current`` and ``.all.peak``; the three are one figure, the bytes of live tpu storages: XLA's allocator
+    reserves nothing a caller could free), allocations and frees, ``num_ooms`` (``torch.OutOfMemoryError`` raised)
+    and ``num_alloc_retries`` (always 0: nothing is retried), as TorchTitan's memory monitor reads them; and
+    ``in_place_copies``: in-place updates that could not write into the tensor's own memory because something else
+    held its old values (for a moment the chip held the tensor twice)."""
     return OrderedDict(sorted(_stats.stats(devices.index_of(device)).items()))
 
 

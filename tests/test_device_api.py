@@ -139,6 +139,9 @@ def test_peak_memory_and_stats():
     stats = torch.tpu.memory_stats()
     assert stats["allocated_bytes.all.current"] == base
     assert stats["allocated_bytes.all.peak"] == torch.tpu.max_memory_allocated()
+    # the keys TorchTitan's memory monitor reads
+    assert stats["active_bytes.all.peak"] == stats["reserved_bytes.all.peak"] == stats["allocated_bytes.all.peak"]
+    assert stats["num_alloc_retries"] == 0 and stats["num_ooms"] >= 0
     torch.tpu.reset_peak_memory_stats()
     assert torch.tpu.max_memory_allocated() == base
 

@@ -16,9 +16,10 @@ TOO_BIG = 1 << 42  # 4 TiB: refused at once by any host or chip here
 
 def test_eager_allocation_failure_is_torch_out_of_memory():
     gc.collect()  # earlier tests' garbage would be freed in the middle of this one
-    allocated = torch.tpu.memory_allocated()
+    allocated, failures = torch.tpu.memory_allocated(), torch.tpu.memory_stats()["num_ooms"]
     with pytest.raises(torch.OutOfMemoryError, match=r"tpu out of memory\. Tried to allocate 4\.00 TiB\.") as info:
         torch.empty(TOO_BIG, device="tpu", dtype=torch.uint8).fill_(1)
+    assert torch.tpu.memory_stats()["num_ooms"] == failures + 1
     message = str(info.value)
     assert "tpu:0" in message and "total capacity" in message and "is free" in message
     assert "smaller batch" in message  # what to try

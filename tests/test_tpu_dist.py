@@ -115,6 +115,37 @@ def case_broadcast_from_each_root():
             _same(device, host)
 
 
+def case_all_reduce_bitwise_matches_gloo():
+    rank = dist.get_rank()
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        device, host = _both(rank, 2, 3, dtype=torch.int64)
+        dist.all_reduce(device, op=op)
+        dist.all_reduce(host, op=op)
+        _same(device, host)
+    with pytest.raises(ValueError, match="BAND needs an integer or bool tensor"):
+        dist.all_reduce(torch.ones(2, device="tpu"), op=dist.ReduceOp.BAND)
+
+
+def case_premul_sum_and_avg_in_every_reduction():
+    """FSDP's gradient divide factor: each rank's values times the factor (a number or a tensor), then summed."""
+    rank = dist.get_rank()
+    expected = (_values(0, 4, 2) + _values(1, 4, 2)) * 0.25
+    for factor in (0.25, torch.tensor([0.25])):
+        device, _ = _both(rank, 4, 2)
+        dist.all_reduce(device, op=dist._make_nccl_premul_sum(factor))
+        _same(device, expected)
+        out = torch.empty(2, 2, device="tpu")
+        dist.reduce_scatter_tensor(out, _values(rank, 4, 2).to("tpu"), op=dist._make_nccl_premul_sum(factor))
+        _same(out, expected.chunk(WORLD)[rank])
+        device, _ = _both(rank, 4, 2)
+        dist.reduce(device, dst=0, op=dist._make_nccl_premul_sum(factor))
+        if rank == 0:
+            _same(device, expected)
+    out = torch.empty(2, 2, device="tpu")
+    dist.reduce_scatter_tensor(out, _values(rank, 4, 2).to("tpu"), op=dist.ReduceOp.AVG)
+    _same(out, (expected * 2).chunk(WORLD)[rank])
+
+
 def case_barrier_and_reduce():
     dist.barrier()
     rank = dist.get_rank()

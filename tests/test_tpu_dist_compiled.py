@@ -287,7 +287,11 @@ def _refused(fn, message: str, *args: torch.Tensor) -> None:
 
 def case_what_cannot_be_compiled_says_so():
     group, x = dist.group.WORLD, torch.ones(4, 2, device="tpu")
-    _refused(lambda t: funcol.all_reduce(t, "band", group), "reduce op 'band'; use one of sum, avg", x)
+    _refused(lambda t: funcol.all_reduce(t, "band", group), "reduce op 'band' needs integer or bool tensors", x)
+    flags = torch.tensor([1, 2, 4 * (dist.get_rank() + 1)], device="tpu")
+    with _strict():
+        combined = _compiled(lambda t: funcol.all_reduce(t, "bor", group))(flags)
+    assert combined.cpu().tolist() == [1, 2, 12]
     _refused(lambda t: funcol.all_to_all_single(t, [1, 3], [3, 1], group),
              r"split sizes \[1, 3\] \(output\) and \[3, 1\] \(input\).*only even splits", x)
     gloo = dist.new_group([0, 1], backend="gloo")

@@ -28,10 +28,10 @@ _next_large = 1 << 44
 class _Chip:
     """One chip's counts, in bytes and storages."""
 
-    __slots__ = ("current", "peak", "allocations", "frees", "in_place_copies")
+    __slots__ = ("current", "peak", "allocations", "frees", "in_place_copies", "out_of_memory")
 
     def __init__(self) -> None:
-        self.current = self.peak = self.allocations = self.frees = self.in_place_copies = 0
+        self.current = self.peak = self.allocations = self.frees = self.in_place_copies = self.out_of_memory = 0
 
 
 class _Chips(dict):
@@ -105,6 +105,11 @@ def copied_in_place(device_index: int) -> None:
     _chips[device_index].in_place_copies += 1
 
 
+def ran_out(device_index: int) -> None:
+    """Counts a ``torch.OutOfMemoryError`` raised for the chip (``num_ooms``)."""
+    _chips[device_index].out_of_memory += 1
+
+
 def current(device_index: int) -> int:
     return _chips[device_index].current
 
@@ -127,6 +132,10 @@ def stats(device_index: int) -> dict[str, int]:
         "allocation.all.allocated": chip.allocations,
         "allocation.all.freed": chip.frees,
         "active_bytes.all.current": chip.current,
+        "active_bytes.all.peak": chip.peak,
         "reserved_bytes.all.current": chip.current,
+        "reserved_bytes.all.peak": chip.peak,
+        "num_alloc_retries": 0,
+        "num_ooms": chip.out_of_memory,
         "in_place_copies": chip.in_place_copies,
     }

@@ -64,6 +64,7 @@ def out_of_memory_error(error: BaseException, device_index: int) -> torch.OutOfM
     """The ``torch.OutOfMemoryError`` for XLA's ``error`` on ``tpu:device_index``, worded like CUDA's."""
     message = str(error)
     requested = requested_bytes(message)
+    allocator.ran_out(device_index)
     free, total = devices.mem_get_info(device_index)
     platform = runtime.backing_platform()
     where = f"tpu:{device_index}" + ("" if platform == "tpu" else f" (JAX's {platform} platform)")

@@ -40,7 +40,7 @@ from .graph_lowering import CompiledGraph
 from .graph_ops import graph_lowering
 
 _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
 
 
 def _is_collective(node: fx.Node) -> bool:
@@ -127,10 +127,13 @@ def _check_node(node: fx.Node, size: int) -> None:
     op = _argument(node, "reduce_op")
     if op is not None and op not in _REDUCE_OPS:
         raise NotImplementedError(f"{what} with reduce op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
-    if op == "avg":
+    if op in ("avg", "band", "bor", "bxor"):
         tensors = node.args[0]  # every collective's first parameter: its input, or its list of inputs
-        if not all(n.meta["val"].is_floating_point() for n in (tensors if isinstance(tensors, list) else [tensors])):
+        floating = [n.meta["val"].is_floating_point() for n in (tensors if isinstance(tensors, list) else [tensors])]
+        if op == "avg" and not all(floating):
             raise NotImplementedError(f"{what} with reduce op 'avg' needs floating-point tensors")
+        if op != "avg" and any(floating):
+            raise NotImplementedError(f"{what} with reduce op {op!r} needs integer or bool tensors")
     if node.target.name().endswith("all_to_all_single"):
         rows = _argument(node, "input").meta["val"].shape[0]
         splits = [list(_argument(node, name)) for name in ("output_split_sizes", "input_split_sizes")]

@@ -61,7 +61,7 @@ def view(self, size, stride=None):
     return jnp.reshape(self, tuple(size))
 
 
-@graph_lowering("alias", "detach", "clone", "lift_fresh_copy", "lift_fresh")
+@graph_lowering("alias", "detach", "clone", "lift_fresh_copy", "lift_fresh", "resolve_conj", "resolve_neg")
 def alias(self, memory_format=None):
     return self
 
@@ -150,6 +150,29 @@ def unsqueeze(self, dim):
 def as_strided(self, size, stride, storage_offset=None):
     """The view of a contiguous tensor's elements (graph values have no other storage)."""
     return strided.read(self.reshape(-1), tuple(size), tuple(stride), 0 if storage_offset is None else storage_offset)
+
+
+@graph_lowering("view_as_complex")
+def view_as_complex(self):
+    """Pairs of the last dim as (real, imaginary) parts: a graph value's storage is not shared, so the view is the
+    complex values themselves."""
+    return lax.complex(self[..., 0], self[..., 1])
+
+
+@graph_lowering("view_as_real")
+def view_as_real(self):
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+@graph_lowering("_conj", "conj_physical")
+def conj(self):
+    """A graph value holds its elements, not a lazy conjugate bit: the conjugate itself."""
+    return jnp.conj(self) if jnp.iscomplexobj(self) else self
+
+
+@graph_lowering("_neg_view")
+def neg_view(self):
+    return -self
 
 
 @graph_lowering("split.Tensor")

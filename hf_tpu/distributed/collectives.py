@@ -31,11 +31,16 @@ def _gathered_reduce(x: Any, op: str, axis: Axis) -> Any:
     every = lax.all_gather(x, axis)
     if op == "product":
         return jnp.prod(every, axis=0, dtype=x.dtype)
+    if op in _BITWISE:
+        return functools.reduce(_BITWISE[op], list(every))
     return (jnp.max if op == "max" else jnp.min)(every, axis=0)
 
 
+_BITWISE = {"band": jnp.bitwise_and, "bor": jnp.bitwise_or, "bxor": jnp.bitwise_xor}
+
+
 def all_reduce(x: Any, op: str, axis: Axis = AXIS) -> Any:
-    """``x`` reduced over the ranks by ``op``: sum, avg, max, min or product."""
+    """``x`` reduced over the ranks by ``op``: sum, avg, max, min, product, band, bor or bxor."""
     if op == "sum":
         return lax.psum(x, axis)
     if op == "avg":

@@ -25,14 +25,25 @@ from ..backend import storage
 from . import collectives, runtime
 
 _REDUCTIONS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.MAX, "max"),
-               (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.PRODUCT, "product"))
+               (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.PRODUCT, "product"), (dist.ReduceOp.BAND, "band"),
+               (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor"))
 
 
-def _reduction(op: dist.ReduceOp) -> str:
+def _reduction(op: dist.ReduceOp) -> tuple[str, Callable[[Any], Any] | None]:
+    """The collective's reduction, and what is done to each rank's values first: for ``PREMUL_SUM`` (FSDP's
+    gradient divide factor, ``dist._make_nccl_premul_sum(factor)``), the product by the factor, then a sum."""
+    if op == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise ValueError("tpu_dist: ReduceOp.PREMUL_SUM needs its factor; make the op with "
+                             "torch.distributed._make_nccl_premul_sum(factor).")
+        factor = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+        return "sum", lambda array: (array * factor).astype(array.dtype)
     for known, name in _REDUCTIONS:
         if op == known:
-            return name
-    raise ValueError(f"tpu_dist: reduce op {op} is not supported on tpu tensors; use SUM, AVG, MAX, MIN or PRODUCT.")
+            return name, None
+    kind = getattr(op, "op", op)
+    raise ValueError(f"tpu_dist: reduce op {getattr(kind, 'name', kind)} is not supported on tpu tensors.")
 
 
 class _InOrder:
@@ -185,11 +196,13 @@ class TpuProcessGroup(dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         if self._on_cpu("all_reduce", tensors):
             return self._gloo.allreduce(tensors, opts)
-        op = _reduction(opts.reduceOp)
+        op, prepare = _reduction(opts.reduceOp)
         if op == "avg" and not tensors[0].is_floating_point():
             raise ValueError("tpu_dist: all_reduce with ReduceOp.AVG needs a floating-point tensor; use SUM and "
                              "divide, or convert the tensor with .float() first.")
-        return self._issue("all_reduce", "all_reduce", tensors, tensors, op)
+        if op in ("band", "bor", "bxor") and (tensors[0].is_floating_point() or tensors[0].is_complex()):
+            raise ValueError(f"tpu_dist: all_reduce with ReduceOp.{op.upper()} needs an integer or bool tensor.")
+        return self._issue("all_reduce", "all_reduce", tensors, tensors, op, prepare)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], tensors: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
@@ -232,14 +245,16 @@ class TpuProcessGroup(dist.ProcessGroup):
             return self._gloo._reduce_scatter_base(output, tensor, opts)
         self._check_numel("reduce_scatter_tensor", tensor, output.numel() * self.size())
         rows = tensor.reshape(self.size(), output.numel())
-        return self._issue("reduce_scatter_tensor", "reduce_scatter", [rows], [output], _reduction(opts.reduceOp))
+        op, prepare = _reduction(opts.reduceOp)
+        return self._issue("reduce_scatter_tensor", "reduce_scatter", [rows], [output], op, prepare)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceOptions()
         if self._on_cpu("reduce", tensors):
             return self._gloo.reduce(tensors, opts)
         outputs = tensors if self.rank() == opts.rootRank else []
-        return self._issue("reduce", "all_reduce", tensors, outputs, _reduction(opts.reduceOp))
+        op, prepare = _reduction(opts.reduceOp)
+        return self._issue("reduce", "all_reduce", tensors, outputs, op, prepare)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.BroadcastOptions()
