@@ -108,7 +108,7 @@ def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monke
         torch.testing.assert_close(mine.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
 
 
-@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, top_k=1, min_new_tokens=4),
+@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, top_k=1, suppress_tokens=[5]),
                                      dict(return_dict_in_generate=True, output_attentions=True)],
                          ids=["logits_processor", "sampling_with_another_processor_of_the_tokens", "attentions"])
 def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
@@ -120,6 +120,23 @@ def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options)
     expected = expected.sequences if "return_dict_in_generate" in options else expected
     assert sequences.cpu().tolist() == expected.tolist()
     assert compile_stats()["decode_loops"] == 0
+
+
+@pytest.mark.parametrize("least", [dict(min_new_tokens=6), dict(min_length=13)], ids=["min_new_tokens", "min_length"])
+def test_a_minimum_length_is_kept_in_the_one_program(models, least):
+    """The end-of-sequence token is banned until the minimum is reached, by the loop's own count of the tokens so
+    far: CPU's tokens, and one program for every generate."""
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    free = _generate(cpu_model, prompt, mask)[:, prompt.shape[1]:]
+    eos = int(free[0, 1])  # without a minimum the first row would stop after 2 tokens
+    expected = _generate(cpu_model, prompt, mask, eos_token_id=eos, **least)
+    assert expected.tolist() != _generate(cpu_model, prompt, mask, eos_token_id=eos).tolist()
+    for _ in range(2):
+        assert _generate(tpu_model, to_tpu(prompt), mask, eos_token_id=eos, **least).cpu().tolist() == \
+            expected.tolist()
+    assert compile_stats()["decode_loops"] == 2
+    assert len(decode_loop._programs[tpu_model]) == 1
 
 
 def _sampled(model, prompt, mask=None, seed=3, **options):

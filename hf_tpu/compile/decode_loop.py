@@ -25,6 +25,7 @@ import collections
 import contextlib
 import copy
 import functools
+import math
 import warnings
 import weakref
 from typing import Any, Iterator, Sequence
@@ -67,14 +68,15 @@ def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
 
 
 def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Sequence,
-                do_sample: bool) -> dict[str, torch.Tensor]:
+                do_sample: bool, length: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """generate's choice of each row's next token from a forward's ``logits``: its last position's, in float32
-    (``"logits"``), through the logits ``processors`` (``"scores"``), then drawn from their softmax or their argmax
-    (``"tokens"``)."""
+    (``"logits"``), through the logits ``processors`` (``"scores"``; a :class:`MinLength` reads ``length``, the
+    tokens so far), then drawn from their softmax or their argmax (``"tokens"``)."""
     raw = logits[:, -1].to(copy=True, dtype=torch.float32)  # a copy: a view would hold all of a prefill's logits
     scores = raw
     for processor in processors:
-        scores = processor(input_ids, scores)
+        scores = processor(input_ids, scores, length) if isinstance(processor, MinLength) else \
+            processor(input_ids, scores)
     if do_sample:
         tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     else:
@@ -82,20 +84,50 @@ def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Seque
     return {"tokens": tokens, "scores": scores, "logits": raw}
 
 
+class MinLength:
+    """transformers' ``MinLengthLogitsProcessor`` and ``MinNewTokensLengthLogitsProcessor`` as the loop runs them:
+    the end-of-sequence tokens' scores are -inf while the tokens so far are fewer than ``min_length`` (the prompt's
+    length plus ``min_new_tokens`` for the latter), the count of tokens so far a traced number (the loop's, which
+    transformers' processors read from the shape of ``input_ids``), so that one program serves every step."""
+
+    def __init__(self, min_length: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.min_length, self.eos_token_ids = min_length, eos_token_ids
+
+    @classmethod
+    def of(cls, processor: Any) -> MinLength:
+        skipped = getattr(processor, "prompt_length_to_skip", None)
+        least = processor.min_length if skipped is None else skipped + processor.min_new_tokens
+        return cls(least, tuple(int(t) for t in torch.as_tensor(processor.eos_token_id).reshape(-1).tolist()))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        vocabulary = torch.arange(scores.shape[-1], device=scores.device)
+        eos = torch.isin(vocabulary, torch.tensor(self.eos_token_ids, device=scores.device))
+        return torch.where(eos & (length < self.min_length), -math.inf, scores)
+
+
+def as_run(processors: Sequence) -> list:
+    """The processors as the loop runs them: the minimum-length ones as :class:`MinLength`."""
+    lengths = _processor_kinds()["length"]
+    return [MinLength.of(processor) if type(processor) in lengths else processor for processor in processors]
+
+
 def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
     """What a program's choice of the token depends on: the processors' classes and settings (plain numbers) and
     whether it draws; ``None`` where a processor is of a kind the loop does not run (see :func:`_runs_in_the_loop`)."""
     if not all(map(_runs_in_the_loop, processors)):
         return None
-    return tuple((type(processor), tuple(sorted(vars(processor).items()))) for processor in processors), do_sample
+    return tuple((type(processor), tuple(sorted(vars(processor).items())))
+                 for processor in as_run(processors)), do_sample
 
 
 def _runs_in_the_loop(processor: Any) -> bool:
     """Whether the loop runs a logits processor as transformers' loop does: one that reads the scores alone
-    (temperature, top-k, top-p, min-p, typical, epsilon, invalid values removed, renormalization), or the
-    repetition penalty, which reads the tokens so far (see :func:`_tokens_so_far`)."""
+    (temperature, top-k, top-p, min-p, typical, epsilon, invalid values removed, renormalization), a minimum
+    length, which reads their count (:class:`MinLength`), or the repetition penalty, which reads the tokens so far
+    (see :func:`_tokens_so_far`)."""
     kinds = _processor_kinds()
-    return type(processor) in kinds["scores"] or (
+    kind = type(processor)
+    return kind in kinds["scores"] or kind in kinds["length"] or kind is MinLength or (
         type(processor) in kinds["tokens"] and getattr(processor, "logits_indices", None) is None)
 
 
@@ -115,10 +147,12 @@ def _processor_kinds() -> dict[str, frozenset]:
     return {"scores": present("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
                               "TypicalLogitsWarper", "EpsilonLogitsWarper", "InfNanRemoveLogitsProcessor",
                               "LogitNormalization"),
-            "tokens": present("RepetitionPenaltyLogitsProcessor")}
+            "tokens": present("RepetitionPenaltyLogitsProcessor"),
+            "length": present("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")}
 
 
 _TOKENS = "tokens so far"  # the step's input that holds them, for processors that read them (not a model input)
+_LENGTH = "length so far"  # the step's input that counts them, for MinLength (not a model input)
 _ENCODER = "encoder_outputs"  # an encoder-decoder step's input: the encoder's last hidden state
 
 
@@ -171,12 +205,13 @@ class _Step(torch.nn.Module):
             _set_layer_state(self._cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
             inputs = dict(zip(self._input_names, arguments[3 * layers:]))
             tokens = inputs.pop(_TOKENS, inputs[_token_name(inputs)])
+            length = inputs.pop(_LENGTH, None)
             if self._encoder_output_type is not None:
                 inputs[_ENCODER] = self._encoder_output_type(last_hidden_state=inputs[_ENCODER])
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
             _set_layer_state(self._cache, *saved)
-        chosen = next_tokens(logits, tokens, self._processors, self._do_sample)
+        chosen = next_tokens(logits, tokens, self._processors, self._do_sample, length)
         return (chosen["tokens"], *(chosen[name] for name in self._outputs))
 
 
@@ -323,6 +358,8 @@ class _Program:
                 state[slots["position_ids"]] = state[slots["position_ids"]] + 1
             if _TOKENS in slots:
                 state[slots[_TOKENS]] = state[slots[_TOKENS]].at[:, length - 1].set(token, mode="drop")
+            if _LENGTH in slots:
+                state[slots[_LENGTH]] = length.astype(state[slots[_LENGTH]].dtype)
             if step_check is not None:
                 check = jnp.where(check[0] != 0, check, step_check)
             return count + 1, tuple(state), unfinished, length, tokens, outputs_so_far, check
@@ -442,6 +479,9 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     processors, do_sample = choice
     if _reads_tokens(processors):
         processors, tensors[_TOKENS] = _tokens_so_far(processors, sequences, limits[0])
+    if any(type(processor) in _processor_kinds()["length"] for processor in processors):
+        processors = as_run(processors)
+        tensors[_LENGTH] = torch.tensor(sequences.shape[1], device=sequences.device)
     choosing = choice_key(processors, do_sample)
     if choosing is None:
         raise NotImplementedError("a logits processor is of a kind the loop does not run")

@@ -14,6 +14,7 @@ __all__ = ["INTEGRATIONS", "install", "when_imported"]
 # module name -> integration module (in this package) whose ``install(module)`` patches it
 INTEGRATIONS: dict[str, str] = {
     "transformers.generation.utils": "generation",
+    "transformers.generation.continuous_batching.cache": "continuous_batching",
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
     # not "transformers": by then transformers.utils has bound is_kernels_available
