@@ -13,7 +13,8 @@ from hf_tpu.backend import storage
 
 
 def _address(tensor: torch.Tensor) -> int:
-    return storage.buffer_of(tensor).materialize().unsafe_buffer_pointer()
+    buffer = storage.buffer_of(tensor)
+    return (buffer.array if buffer.array is not None else buffer.materialize()).unsafe_buffer_pointer()
 
 
 def _copies() -> int:

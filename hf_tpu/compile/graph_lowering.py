@@ -239,6 +239,30 @@ def _symbols(value: Any) -> set:
         else set()
 
 
+# The operators and arguments that take a position, whose lowerings accept a traced one; any other use of an integer
+# input (a Scalar an op specializes on, ``pow(x, n)``) keeps it a constant of the program.
+_POSITION_ARGUMENTS = {
+    "aten::slice.Tensor": (2, 3), "aten::slice_scatter": (3, 4), "aten::select.int": (2,),
+    "aten::select_scatter": (3,), "aten::slice_backward": (3, 4), "aten::as_strided": (3,), "aten::roll": (1,),
+}
+
+
+def _used_as_position(node: fx.Node) -> bool:
+    """Whether every use of ``node`` is a position argument (:data:`_POSITION_ARGUMENTS`), directly or through size
+    arithmetic, or a result of the graph."""
+    for user in node.users:
+        if user.op == "output" or (user.op == "call_function" and _is_size_arithmetic(user.target)
+                                   and _used_as_position(user)):
+            continue
+        slots = _POSITION_ARGUMENTS.get(user.target.name()) if isinstance(user.target, torch._ops.OpOverload) \
+            else None
+        if slots is None or any(arg is node or (isinstance(arg, (list, tuple)) and node in arg)
+                                for index, arg in enumerate(user.args) if index not in slots) \
+                or any(value is node for value in user.kwargs.values()):
+            return False
+    return True
+
+
 class _Positions:
     """Which integer inputs of a graph are positions, the program's arguments: inputs whose symbols are in no
     tensor's shape. A size the graph returns (a forward saves its slice bounds for the backward) is worked out
@@ -256,7 +280,8 @@ class _Positions:
         returned = [node for node in size_outputs if node.op != "placeholder" and _symbols(node.meta.get("val"))]
         while True:
             slots = [slot for slot, node in enumerate(static_nodes)
-                     if isinstance(node.meta.get("val"), torch.SymInt) and not _symbols(node.meta["val"]) & shaped]
+                     if isinstance(node.meta.get("val"), torch.SymInt) and not _symbols(node.meta["val"]) & shaped
+                     and _used_as_position(node)]
             named = {static_nodes[slot].meta["val"].node.expr: slot for slot in slots
                      if static_nodes[slot].meta["val"].node.expr.is_Symbol}
             unknown = [node for node in returned
