@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.distributed import DistributedHelper
+from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
 
 from conftest import tiny_llama
 from hf_tpu.integrations import continuous_batching
-
-transformers = pytest.importorskip("transformers")
-from transformers import GenerationConfig  # noqa: E402
-from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
-from transformers.generation.continuous_batching.cache import PagedAttentionCache  # noqa: E402
-from transformers.generation.continuous_batching.distributed import DistributedHelper  # noqa: E402
-from transformers.generation.continuous_batching.initialization import (  # noqa: E402
-    resolve_continuous_batching_config,
-)
 
 MiB = 1 << 20
 
