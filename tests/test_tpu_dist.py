@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
 import torchrun_cases
+from hf_tpu.backend import runtime
 from hf_tpu.distributed import runtime as distributed_runtime
 
 WORLD = 2
@@ -47,6 +50,19 @@ def case_default_backend_is_tpu_dist():
     assert type(dist.group.WORLD).__name__ == "TpuProcessGroup"
     assert dist.Backend.default_device_backend_map["tpu"] == "tpu_dist"
     assert dist.group.WORLD.name() == "tpu_dist"
+
+
+def case_a_device_counted_and_set_before_init_process_group_is_the_processs_own_chip():
+    """As CUDA scripts do (TorchTitan's), the worker counted the devices and set ``tpu:LOCAL_RANK`` before
+    ``init_process_group`` (see the end of this file): that name is this process's chip, ``tpu:0``."""
+    assert COUNTED_BEFORE_INIT == torch.tpu.device_count() == 1
+    assert torch.tpu.current_device() == 0
+    local = torch.device("tpu", int(os.environ["LOCAL_RANK"]))
+    values = torch.full((3,), dist.get_rank() + 1.0, device=local)
+    dist.all_reduce(values)
+    assert values.device == torch.device("tpu", 0)
+    _same(values, torch.full((3,), 3.0))
+    _same(torch.ones(2).to(local) + torch.ones(2, device="tpu"), torch.full((2,), 2.0))
 
 
 def case_all_reduce_matches_gloo():
@@ -294,6 +310,30 @@ def test_tpu_tensor_before_init_process_group_says_to_init_first(monkeypatch):
         dist.init_process_group("tpu_dist", store=dist.HashStore(), rank=0, world_size=2)
 
 
+def test_counting_and_setting_the_device_under_torchrun_starts_no_jax(tmp_path):
+    """Under a launcher of several processes, ``device_count()`` and ``set_device(tpu:LOCAL_RANK)`` before
+    ``init_process_group`` leave JAX unstarted; ``tpu:LOCAL_RANK`` then names the process's own chip, and an index
+    that is neither raises CPU-style."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import sys, torch, pytest\n"
+        "from hf_tpu.backend import runtime\n"
+        "assert torch.tpu.device_count() == 1 and torch.tpu.is_available()\n"
+        "torch.tpu.set_device('tpu:1')\n"
+        "assert not runtime.backends_started()\n"
+        "assert torch.tpu.current_device() == 0\n"
+        "assert torch.ones(2, device='tpu:1').device == torch.device('tpu', 0)\n"
+        "assert runtime.backends_started()\n"
+        "with pytest.raises(RuntimeError, match='Invalid device index tpu:2'):\n"
+        "    torch.ones(2, device='tpu:2')\n"
+        "print('ok')\n")
+    environment = {**os.environ, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "HF_TPU_PLATFORM": "cpu"}
+    environment.pop("HF_TPU_NUM_DEVICES", None)
+    result = subprocess.run([sys.executable, str(script)], env=environment, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 _LIBTPU_SPLIT = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS", "TPU_PROCESS_ADDRESSES",
                  "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID", "ALLOW_MULTIPLE_LIBTPU_LOAD")
 
@@ -305,7 +345,7 @@ def _split_on_a_tpu_host(monkeypatch, chips: int, local_world: int, world: int, 
         monkeypatch.delenv(name, raising=False)
     for name, value in {"LOCAL_WORLD_SIZE": str(local_world), **environment}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(distributed_runtime, "_tpu_chips", lambda: chips)
+    monkeypatch.setattr(runtime, "tpu_chips", lambda: chips)
     store = dist.HashStore()
     for peer in range(world):
         if peer != rank:
@@ -326,11 +366,11 @@ def test_each_process_on_a_tpu_host_is_given_its_own_chip(monkeypatch):
 def test_no_chip_split_on_cpu_hosts_one_process_per_host_or_the_users_own(monkeypatch):
     from jax._src import hardware_utils
 
-    assert distributed_runtime._tpu_chips() == 0  # this host has no TPU chips on its PCI bus
+    assert runtime.tpu_chips() == 0  # this host has no TPU chips on its PCI bus
     monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, None))
-    assert distributed_runtime._tpu_chips() == 4  # where it had some
+    assert runtime.tpu_chips() == 4  # where it had some
     monkeypatch.setenv("HF_TPU_PLATFORM", "cpu")
-    assert distributed_runtime._tpu_chips() == 0  # but JAX is to run on the CPU
+    assert runtime.tpu_chips() == 0  # but JAX is to run on the CPU
     assert _split_on_a_tpu_host(monkeypatch, chips=0, local_world=2, world=2, rank=1) == {}
     assert _split_on_a_tpu_host(monkeypatch, chips=4, local_world=1, world=4, rank=1) == {}  # one per host
     assert _split_on_a_tpu_host(monkeypatch, chips=4, local_world=4, world=4, rank=1,
@@ -348,4 +388,6 @@ def test_a_chip_split_hf_tpu_cannot_make_says_what_to_run(monkeypatch, chips, lo
 
 
 if __name__ == "__main__":
+    COUNTED_BEFORE_INIT = torch.tpu.device_count()  # before init_process_group, as CUDA scripts may
+    torch.tpu.set_device(f"tpu:{os.environ['LOCAL_RANK']}")
     torchrun_cases.main(globals(), worker_timeout=WORKER_TIMEOUT_S)

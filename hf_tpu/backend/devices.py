@@ -32,6 +32,8 @@ def index_of(device: Any = None) -> int:
     if index == 0:  # there always is a first chip; counting them would start JAX, which tpu_dist must start
         return index
     count = device_count()
+    if index == _launcher_local_rank() and index >= count:
+        return 0  # CUDA code's name for this process's device, tpu:LOCAL_RANK, is its own first chip
     if not 0 <= index < count:
         raise RuntimeError(
             f"Invalid device index tpu:{index}: there {'is' if count == 1 else 'are'} {count} tpu device(s)."
@@ -55,8 +57,33 @@ def _lazy_init() -> None:
 
 
 def device_count() -> int:
+    """The tpu devices of this process. Under a launcher that runs several processes on the host (torchrun),
+    counted without starting JAX while ``init_process_group`` has yet to start it: as on CUDA, scripts count and
+    pick devices first."""
+    before_start = _count_before_start()
+    if before_start is not None:
+        return before_start
     _lazy_init()
     return len(runtime.devices())
+
+
+def _launcher_local_rank() -> int | None:
+    """This process's LOCAL_RANK when a launcher runs several processes on the host."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1 or "LOCAL_RANK" not in os.environ:
+        return None
+    return int(os.environ["LOCAL_RANK"])
+
+
+def _count_before_start() -> int | None:
+    """The devices this process will drive once ``tpu_dist`` starts JAX's runtime, known before JAX starts: on
+    TPU chips one each (the split of :mod:`hf_tpu.distributed.runtime`, or as many as the user's
+    ``TPU_VISIBLE_CHIPS`` names), elsewhere ``HF_TPU_NUM_DEVICES`` (one by default). ``None`` outside
+    a multi-process launch or once JAX has started."""
+    if _launcher_local_rank() is None or runtime.backends_started():
+        return None
+    if runtime.tpu_chips():
+        return len(os.environ.get("TPU_VISIBLE_CHIPS", "0").split(","))
+    return runtime.requested_device_count() or 1
 
 
 def current_device() -> int:

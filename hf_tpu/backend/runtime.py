@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
@@ -114,6 +115,24 @@ def requested_platform() -> str:
     if value not in _PLATFORMS:
         raise ValueError(f"HF_TPU_PLATFORM={value!r} is not one of {', '.join(_PLATFORMS)}; set it to one of those.")
     return value
+
+
+def tpu_chips() -> int:
+    """This host's TPU chips where JAX is to use them (PCI devices, counted as JAX counts them, before it starts)."""
+    if requested_platform() not in ("tpu", "auto"):
+        return 0
+    from jax._src import hardware_utils  # no public API counts the chips without starting libtpu
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
+def backends_started() -> bool:
+    """Whether JAX has made its backends (its devices are fixed then); imports no JAX that is not imported yet."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 def requested_device_count() -> int | None:

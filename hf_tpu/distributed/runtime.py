@@ -61,15 +61,6 @@ def _local_device_ids(local_rank: int) -> list[int] | None:
     return None if runtime.requested_platform() == "cpu" else [local_rank]
 
 
-def _tpu_chips() -> int:
-    """This host's TPU chips where JAX is to use them (PCI devices, counted as JAX counts them, before it starts)."""
-    if runtime.requested_platform() not in ("tpu", "auto"):
-        return 0
-    from jax._src import hardware_utils  # no public API counts the chips without starting libtpu
-
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
-
-
 def tpu_chip_split(local_rank: int, ports: list[int], chips: int) -> dict[str, str]:
     """libtpu's variables giving process ``local_rank`` of a TPU host's ``len(ports)`` processes (``ports``: each
     one's free port, by local rank) its own one of the host's ``chips``, as JAX's multi-process launcher sets them."""
@@ -94,7 +85,7 @@ def _split_tpu_chips(store: dist.Store, rank: int, world_size: int, local_rank: 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if local_world == 1 or "TPU_VISIBLE_CHIPS" in os.environ:
         return
-    chips = _tpu_chips()
+    chips = runtime.tpu_chips()
     if not chips:
         return
     if local_world != world_size:
@@ -120,9 +111,7 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: datetime.timed
     host, local_rank = _environment(rank, world_size)
     _split_tpu_chips(store, rank, world_size, local_rank)
     jax = runtime.jax_module()
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if runtime.backends_started():
         raise RuntimeError("tpu_dist: the tpu device (JAX) was used before init_process_group; call "
                            "torch.distributed.init_process_group() before creating the first tpu tensor.")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
