@@ -5,12 +5,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import uuid
 from typing import Any, Callable
 
-import pytest
-import torch
+# Dynamo keeps its profile of which sizes vary on disk, by job id (hf_tpu keeps one, for a second process's warm
+# start): each run of the suite, and the processes its tests start, keep their own, so that no test compiles with
+# sizes that an earlier run's tests varied.
+os.environ.setdefault("TORCH_COMPILE_JOB_ID", f"hf_tpu-tests-{uuid.uuid4().hex[:12]}")
 
-import hf_tpu  # noqa: F401  (registers the device even where autoload is off)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import hf_tpu  # noqa: F401,E402  (registers the device even where autoload is off)
 
 
 MAX_WORKERS = 8
