@@ -90,6 +90,23 @@ def test_a_streamer_gets_each_token_as_transformers_loop_hands_it_over(models, s
     assert compile_stats()["decode_loops"] == (1 if stop_early else 2)  # 9 tokens after the prefill's: 8, then 1
 
 
+def test_a_streamer_can_get_each_token_from_its_own_program_run(models, monkeypatch):
+    """``HF_TPU_STREAMED_TOKENS=1``: a program run per token, the streamer's chunks as transformers' loop's."""
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0][:1]
+    streamed = []
+    for model, inputs in ((cpu_model, prompt), (tpu_model, to_tpu(prompt))):
+        streamer = Collector()
+        monkeypatch.setenv("HF_TPU_STREAMED_TOKENS", "1")
+        _generate(model, inputs, streamer=streamer)
+        streamed.append(streamer.chunks)
+    assert streamed[1] == streamed[0]
+    assert compile_stats()["decode_loops"] == NEW_TOKENS - 1  # the first token is the prefill's
+    monkeypatch.setenv("HF_TPU_STREAMED_TOKENS", "0")
+    with pytest.raises(ValueError, match="HF_TPU_STREAMED_TOKENS='0' must be a positive number of tokens"):
+        _generate(tpu_model, to_tpu(prompt), streamer=Collector())
+
+
 def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monkeypatch):
     cpu_model, tpu_model = models
     prompt, mask = _padded_batch()
@@ -108,9 +125,9 @@ def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monke
         torch.testing.assert_close(mine.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
 
 
-@pytest.mark.parametrize("options", [dict(no_repeat_ngram_size=2), dict(do_sample=True, top_k=1, suppress_tokens=[5]),
-                                     dict(return_dict_in_generate=True, output_attentions=True)],
-                         ids=["logits_processor", "sampling_with_another_processor_of_the_tokens", "attentions"])
+@pytest.mark.parametrize("options", [dict(prefix_allowed_tokens_fn=lambda row, tokens: list(range(64))),
+                                     dict(max_time=600.0), dict(return_dict_in_generate=True, output_attentions=True)],
+                         ids=["python_callback_processor", "wall_clock_criterion", "attentions"])
 def test_what_the_program_does_not_do_goes_to_transformers_loop(models, options):
     cpu_model, tpu_model = models
     prompt = _padded_batch()[0]
@@ -137,6 +154,65 @@ def test_a_minimum_length_is_kept_in_the_one_program(models, least):
             expected.tolist()
     assert compile_stats()["decode_loops"] == 2
     assert len(decode_loop._programs[tpu_model]) == 1
+
+
+def _settings(free: torch.Tensor) -> dict[str, dict]:
+    """generate's settings whose processors read the tokens so far or their count, made to change the greedy
+    tokens ``free`` of the padded batch (each row's new tokens)."""
+    token = lambda row, column: int(free[row, column])  # noqa: E731
+    return {
+        "no_repeat_ngram_size_1": dict(no_repeat_ngram_size=1),
+        "no_repeat_ngram_size_2": dict(no_repeat_ngram_size=2),
+        "bad_words_ids": dict(bad_words_ids=[[token(0, 2)], [token(1, 3), token(1, 4)], [token(2, 5), token(2, 6)]]),
+        "sequence_bias": dict(sequence_bias=[[[token(0, 3)], -4.0], [[token(2, 4), token(0, 1)], 50.0]]),
+        "suppress_tokens": dict(suppress_tokens=[token(0, 2), token(1, 5)], begin_suppress_tokens=[token(2, 0)]),
+        "forced_eos_token_id": dict(forced_eos_token_id=token(0, 0), eos_token_id=token(0, 0)),
+        "exponential_decay_length_penalty": dict(exponential_decay_length_penalty=(3, 40.0),
+                                                 eos_token_id=token(1, 8)),
+        "penalty_and_ngrams": dict(repetition_penalty=3.0, no_repeat_ngram_size=3, min_new_tokens=4,
+                                   eos_token_id=token(0, 1)),
+    }
+
+
+@pytest.mark.parametrize("setting", list(_settings(torch.zeros(3, NEW_TOKENS, dtype=torch.long))))
+def test_each_setting_that_reads_the_tokens_so_far_is_kept_in_the_one_program(models, setting):
+    """Every generation setting whose state is the tokens so far and their count runs inside the loop: CPU's
+    tokens (which the setting changes); a generate of other prompts and padding reuses the program."""
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    plain = _generate(cpu_model, prompt, mask)
+    options = _settings(plain[:, prompt.shape[1]:])[setting]
+    expected = _generate(cpu_model, prompt, mask, **options)
+    assert expected.tolist() != plain.tolist()
+    assert _generate(tpu_model, to_tpu(prompt), mask, **options).cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == 1
+    if setting == "penalty_and_ngrams":  # tensors of each generate (the penalty's ignored padding) are inputs
+        prompt, mask = prompt.flip(0), mask.flip(0)  # the padded row last
+        assert _generate(tpu_model, to_tpu(prompt), mask, **options).cpu().tolist() == \
+            _generate(cpu_model, prompt, mask, **options).tolist()
+        assert len(decode_loop._programs[tpu_model]) == 1
+
+
+def test_a_stop_string_ends_a_row_inside_the_one_program(tmp_path):
+    """``stop_strings`` (with the tokenizer) stop each row where transformers' criterion would: CPU's tokens."""
+    from tiny_models import save_tiny_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenizers import decoders
+
+    path = save_tiny_llama(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()  # tokens as their bytes, which the criterion reads
+    cpu_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    prompt, mask = _padded_batch()
+    prompt = prompt % cpu_model.config.vocab_size
+    free = _generate(cpu_model, prompt, mask)[:, prompt.shape[1]:]
+    stops = dict(stop_strings=[tokenizer.decode(free[0, 2:4]), tokenizer.decode(free[2, 4])], tokenizer=tokenizer)
+    expected = _generate(cpu_model, prompt, mask, **stops)
+    assert expected.shape[1] < prompt.shape[1] + NEW_TOKENS or (expected[:, -1] == 0).any()
+    assert _generate(tpu_model, to_tpu(prompt), mask, **stops).cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == 1
 
 
 def _sampled(model, prompt, mask=None, seed=3, **options):

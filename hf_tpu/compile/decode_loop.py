@@ -4,9 +4,9 @@ transformers' ``generate`` runs one compiled decode step per token and, around i
 processors, argmax or a draw, padding of finished rows, appending the token, the stopping criteria, the mask) and a
 read of the stopping flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds
 tokens/s. For greedy decoding and sampling from a static cache of full-attention layers (an encoder-decoder model's
-pair of them, the cross-attention half written by the prefill), with logits processors that
-read the scores alone (temperature, top-k, top-p, min-p, typical, epsilon) or the repetition penalty, and stopping
-on length and end-of-sequence tokens only, :func:`decode` runs every step after the first token as one program: the
+pair of them, the cross-attention half written by the prefill), with logits processors and stopping criteria
+that read the scores, the tokens so far and their count (:mod:`hf_tpu.compile.decode_processors`), :func:`decode`
+runs every step after the first token as one program: the
 model's decode step and the token's choice, traced as AOTAutograd traces graph mode's graphs and lowered by graph
 mode, in a ``jax.lax.while_loop`` that also pads finished rows, stops as transformers' criteria would and extends
 the mask. The host reads one number at the end (how many steps ran).
@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import functools
-import math
 import warnings
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +34,7 @@ import numpy as np
 import torch
 
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage
-from . import graph_lowering
+from . import decode_processors, graph_lowering
 from .stats import count
 
 _PROGRAMS_PER_MODEL = 8
@@ -67,16 +65,13 @@ def mark_unsupported(model: torch.nn.Module, reason: str) -> None:
                   f"({reason})", stacklevel=2)
 
 
-def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Sequence,
-                do_sample: bool, length: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def next_tokens(logits: torch.Tensor, process: Callable[[torch.Tensor], torch.Tensor],
+                do_sample: bool) -> dict[str, torch.Tensor]:
     """generate's choice of each row's next token from a forward's ``logits``: its last position's, in float32
-    (``"logits"``), through the logits ``processors`` (``"scores"``; a :class:`MinLength` reads ``length``, the
-    tokens so far), then drawn from their softmax or their argmax (``"tokens"``)."""
+    (``"logits"``), through the logits processors (``process``: ``"scores"``), then drawn from their softmax or their
+    argmax (``"tokens"``)."""
     raw = logits[:, -1].to(copy=True, dtype=torch.float32)  # a copy: a view would hold all of a prefill's logits
-    scores = raw
-    for processor in processors:
-        scores = processor(input_ids, scores, length) if isinstance(processor, MinLength) else \
-            processor(input_ids, scores)
+    scores = process(raw)
     if do_sample:
         tokens = torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     else:
@@ -84,118 +79,50 @@ def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, processors: Seque
     return {"tokens": tokens, "scores": scores, "logits": raw}
 
 
-class MinLength:
-    """transformers' ``MinLengthLogitsProcessor`` and ``MinNewTokensLengthLogitsProcessor`` as the loop runs them:
-    the end-of-sequence tokens' scores are -inf while the tokens so far are fewer than ``min_length`` (the prompt's
-    length plus ``min_new_tokens`` for the latter), the count of tokens so far a traced number (the loop's, which
-    transformers' processors read from the shape of ``input_ids``), so that one program serves every step."""
+def runs_in_the_loop(processors: Sequence, criteria: Sequence) -> bool:
+    """Whether the loop runs every logits processor and stopping criterion as transformers' loop does (see
+    :mod:`hf_tpu.compile.decode_processors`); the length and end-of-sequence criteria are the loop's own."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-    def __init__(self, min_length: int, eos_token_ids: tuple[int, ...]) -> None:
-        self.min_length, self.eos_token_ids = min_length, eos_token_ids
-
-    @classmethod
-    def of(cls, processor: Any) -> MinLength:
-        skipped = getattr(processor, "prompt_length_to_skip", None)
-        least = processor.min_length if skipped is None else skipped + processor.min_new_tokens
-        return cls(least, tuple(int(t) for t in torch.as_tensor(processor.eos_token_id).reshape(-1).tolist()))
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        vocabulary = torch.arange(scores.shape[-1], device=scores.device)
-        eos = torch.isin(vocabulary, torch.tensor(self.eos_token_ids, device=scores.device))
-        return torch.where(eos & (length < self.min_length), -math.inf, scores)
+    return all(map(decode_processors.runs_in_the_loop, processors)) and all(
+        type(criterion) in (MaxLengthCriteria, EosTokenCriteria) or decode_processors.runs_in_the_loop(criterion)
+        for criterion in criteria)
 
 
-def as_run(processors: Sequence) -> list:
-    """The processors as the loop runs them: the minimum-length ones as :class:`MinLength`."""
-    lengths = _processor_kinds()["length"]
-    return [MinLength.of(processor) if type(processor) in lengths else processor for processor in processors]
-
-
-def choice_key(processors: Sequence, do_sample: bool) -> tuple | None:
-    """What a program's choice of the token depends on: the processors' classes and settings (plain numbers) and
-    whether it draws; ``None`` where a processor is of a kind the loop does not run (see :func:`_runs_in_the_loop`)."""
-    if not all(map(_runs_in_the_loop, processors)):
-        return None
-    return tuple((type(processor), tuple(sorted(vars(processor).items())))
-                 for processor in as_run(processors)), do_sample
-
-
-def _runs_in_the_loop(processor: Any) -> bool:
-    """Whether the loop runs a logits processor as transformers' loop does: one that reads the scores alone
-    (temperature, top-k, top-p, min-p, typical, epsilon, invalid values removed, renormalization), a minimum
-    length, which reads their count (:class:`MinLength`), or the repetition penalty, which reads the tokens so far
-    (see :func:`_tokens_so_far`)."""
-    kinds = _processor_kinds()
-    kind = type(processor)
-    return kind in kinds["scores"] or kind in kinds["length"] or kind is MinLength or (
-        type(processor) in kinds["tokens"] and getattr(processor, "logits_indices", None) is None)
-
-
-def _reads_tokens(processors: Sequence) -> bool:
-    return any(type(processor) in _processor_kinds()["tokens"] for processor in processors)
-
-
-@functools.cache
-def _processor_kinds() -> dict[str, frozenset]:
-    """transformers' logits processors the loop runs, which hold plain numbers: those that read the scores alone
-    and those that read the tokens so far too."""
-    from transformers.generation import logits_process
-
-    def present(*names: str) -> frozenset:
-        return frozenset(getattr(logits_process, name) for name in names if hasattr(logits_process, name))
-
-    return {"scores": present("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-                              "TypicalLogitsWarper", "EpsilonLogitsWarper", "InfNanRemoveLogitsProcessor",
-                              "LogitNormalization"),
-            "tokens": present("RepetitionPenaltyLogitsProcessor"),
-            "length": present("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")}
-
-
-_TOKENS = "tokens so far"  # the step's input that holds them, for processors that read them (not a model input)
-_LENGTH = "length so far"  # the step's input that counts them, for MinLength (not a model input)
+_TOKENS = "tokens so far"  # the step's inputs, for processors and criteria that read them (not model inputs):
+_LENGTH = "length so far"  # the tokens so far (all of generate's columns, those not decoded yet zeros) and their count
 _ENCODER = "encoder_outputs"  # an encoder-decoder step's input: the encoder's last hidden state
 
 
-def _tokens_so_far(processors: Sequence, sequences: torch.Tensor, max_length: int) -> tuple[list, torch.Tensor]:
-    """The processors as the loop runs them, and the tokens so far as they read them: ``max_length`` columns, where
-    those not decoded yet, and those of the prompt the repetition penalty ignores (``prompt_ignore_length``, which
-    generate sets to each row's left padding), hold the row's last token. That token was decoded after the prompt,
-    so the penalty counts it anyway, and a token counted twice is penalized once: the scores are transformers'
-    loop's. The penalty then runs without ``prompt_ignore_length`` (a tensor of each call, which would key a new
-    program every time)."""
-    length = sequences.shape[1]
-    last = sequences[:, -1:]
-    tokens = torch.cat([sequences, last.expand(-1, max_length - length)], dim=1)
-    readers = [processor for processor in processors if type(processor) in _processor_kinds()["tokens"]]
-    if len(readers) > 1:
-        raise NotImplementedError("more than one logits processor reads the tokens so far")
-    ignored = readers[0].prompt_ignore_length
-    if ignored is None:
-        return list(processors), tokens
-    if isinstance(ignored, int) and ignored >= length:
-        raise NotImplementedError("the repetition penalty ignores every token decoded so far")
-    bound = torch.as_tensor(ignored, device=sequences.device).reshape(-1, 1)
-    tokens = torch.where(torch.arange(max_length, device=sequences.device) < bound, last, tokens)
-    penalty = copy.copy(readers[0])
-    penalty.prompt_ignore_length = None
-    return [penalty if processor is readers[0] else processor for processor in processors], tokens
+def _form_input(kind: str, index: int, name: str) -> str:
+    """The step's input that holds a tensor of one generate of a processor or criterion as run
+    (``LoopProcessor.inputs``)."""
+    return f"{kind} {index}: {name}"
+
+
+def _form_inputs(forms: Sequence, kind: str, inputs: dict) -> list[dict[str, torch.Tensor]]:
+    """Each form's tensors, taken out of the step's ``inputs``."""
+    return [{name: inputs.pop(_form_input(kind, index, name)) for name in getattr(form, "inputs", {})}
+            for index, form in enumerate(forms)]
 
 
 class _Step(torch.nn.Module):
     """One decode step of ``model`` on ``cache``: takes the cache layers' keys, values and lengths, then the
     step's other inputs (``input_names``), all positionally, so that tracing sees the cache's updates as input
-    mutations; returns the next token of each row, chosen by :func:`next_tokens`, then the step's ``outputs``
-    (``"scores"``, ``"logits"``) that generate hands back. An encoder-decoder model's ``encoder_outputs`` come in
-    as their last hidden state and go to the model as ``encoder_output_type``."""
+    mutations; returns the next token of each row, chosen by :func:`next_tokens` through the logits processors as
+    the loop runs them, then the step's ``outputs`` (``"scores"``, ``"logits"``) that generate hands back, then, if
+    there are stopping criteria besides the loop's own, whether each row meets one with the token. An
+    encoder-decoder model's ``encoder_outputs`` come in as their last hidden state and go to the model as
+    ``encoder_output_type``."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
-                 input_names: list[str], choice: tuple, outputs: tuple[str, ...],
+                 input_names: list[str], choice: tuple, criteria: Sequence, outputs: tuple[str, ...],
                  encoder_output_type: type | None = None) -> None:
         super().__init__()
         self.model = model
         self._cache, self._cache_key, self._constants, self._input_names = cache, cache_key, constants, input_names
         self._processors, self._do_sample = choice
-        self._outputs = outputs
+        self._criteria, self._outputs = criteria, outputs
         self._encoder_output_type = encoder_output_type
 
     def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor]:
@@ -204,15 +131,23 @@ class _Step(torch.nn.Module):
         try:
             _set_layer_state(self._cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
             inputs = dict(zip(self._input_names, arguments[3 * layers:]))
-            tokens = inputs.pop(_TOKENS, inputs[_token_name(inputs)])
-            length = inputs.pop(_LENGTH, None)
+            tokens, length = inputs.pop(_TOKENS, None), inputs.pop(_LENGTH, None)
+            given = _form_inputs(self._processors, "processor", inputs)
+            criteria_given = _form_inputs(self._criteria, "criterion", inputs)
             if self._encoder_output_type is not None:
                 inputs[_ENCODER] = self._encoder_output_type(last_hidden_state=inputs[_ENCODER])
             logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
         finally:
             _set_layer_state(self._cache, *saved)
-        chosen = next_tokens(logits, tokens, self._processors, self._do_sample, length)
-        return (chosen["tokens"], *(chosen[name] for name in self._outputs))
+        chosen = next_tokens(logits, lambda scores: decode_processors.process(
+            self._processors, tokens, scores, length, given), self._do_sample)
+        stopped = ()
+        if self._criteria:
+            written = tokens.scatter(1, length.reshape(1, 1).expand(tokens.shape[0], 1), chosen["tokens"][:, None])
+            meets = [criterion(written, length + 1, **inputs)
+                     for criterion, inputs in zip(self._criteria, criteria_given)]
+            stopped = (functools.reduce(torch.logical_or, meets),)
+        return (chosen["tokens"], *(chosen[name] for name in self._outputs), *stopped)
 
 
 def _token_name(inputs: Any) -> str:
@@ -273,12 +208,14 @@ class _Program:
     drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
-                 choice: tuple, outputs: tuple[str, ...], encoder_output_type: type | None = None) -> None:
+                 choice: tuple, criteria: Sequence, outputs: tuple[str, ...],
+                 encoder_output_type: type | None = None) -> None:
         from torch._functorch.aot_autograd import aot_export_module
 
         from .backend import decompositions, lower
 
-        step = _Step(model, cache, cache_key, constants, list(inputs), choice, outputs, encoder_output_type)
+        step = _Step(model, cache, cache_key, constants, list(inputs), choice, criteria, outputs,
+                     encoder_output_type)
         self._token_name = _token_name(inputs)
         # the mask the loop extends by a column a step: a decoder's own (an encoder-decoder's is the encoder's)
         self._growing_mask = "attention_mask" if self._token_name == "input_ids" else None
@@ -301,13 +238,14 @@ class _Program:
         self._updates = [(results.index(output), user_inputs.index(target))
                          for output, target in signature.user_inputs_to_mutate.items()]
         if any(slot not in self._cache_slots for _, slot in self._updates) or \
-                len(signature.user_outputs) != 1 + len(outputs):
+                len(signature.user_outputs) != 1 + len(outputs) + bool(criteria):
             raise NotImplementedError("the decode step updates inputs other than the cache")
         self._token = results.index(signature.user_outputs[0])
         named = {node.name: node for node in graph_module.graph.nodes}
         # each of the step's outputs: its place among the graph's results, and its shape and dtype
         self._outputs = [(results.index(name), tuple(named[name].meta["val"].shape), named[name].meta["val"].dtype)
-                         for name in signature.user_outputs[1:]]
+                         for name in signature.user_outputs[1:1 + len(outputs)]]
+        self._stopped = results.index(signature.user_outputs[-1]) if criteria else None
         self._draws = int(choice[1])  # random ops in a step: the draw of the token, if it is drawn
         self._function = graph.pure_function(fold_constants=False, draws=self._draws)
         self._capacity = _layers(cache)[0].max_cache_len
@@ -350,6 +288,8 @@ class _Program:
             tokens = tokens.at[:, count].set(token)
             length = length + 1
             unfinished = unfinished & ~jnp.isin(token, eos) & (length < max_length)
+            if self._stopped is not None:
+                unfinished = unfinished & ~outputs[self._stopped]
             state[slots[self._token_name]] = token[:, None]
             if self._growing_mask in slots:
                 state[slots[self._growing_mask]] = state[slots[self._growing_mask]].at[:, length - 1].set(
@@ -393,6 +333,7 @@ class _Program:
         weights, step_inputs, (unfinished, eos, pad) = arrays[:first], tuple(arrays[last:-3]), arrays[-3:]
         del arrays[:first], arrays[last - first:]  # the cache's arrays, held here and by their storages only
         rows = (chunk or max_length - length) if self._outputs else 0  # the most steps a run takes
+        left = max_length - length  # the most tokens still to come
         length, max_length = jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)
         budget = jnp.asarray(chunk or self._capacity, jnp.int64)
         while True:
@@ -413,7 +354,8 @@ class _Program:
             random_state.advance(device_index, steps * self._draws)
             yield _on_chip(tokens, input_ids.dtype, device_index)[:, :steps], tuple(
                 _on_chip(output, dtype, device_index)[:steps] for output, (_, _, dtype) in zip(outputs, self._outputs))
-            if chunk is None or steps < chunk:
+            left -= steps
+            if chunk is None or steps < chunk or left <= 0:
                 return
 
 
@@ -451,7 +393,7 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
            sequences: torch.Tensor, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
-           choice: tuple = ((), False), chunk: int | None = None,
+           choice: tuple = ((), False), criteria: Sequence = (), chunk: int | None = None,
            outputs: tuple[str, ...] = ()) -> Iterator[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
     """The tokens generate appends to ``sequences`` (the tokens so far, the last not yet in ``cache``), stopping
     where transformers' loop would, in pieces of ``chunk`` tokens at most (one program run each; all at once if
@@ -461,8 +403,9 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     the cache's length, maybe the positions, the cache under ``cache_key``, constants; for an encoder-decoder model
     ``decoder_input_ids``, the encoder's outputs and mask and an ``EncoderDecoderCache``), ``unfinished`` the rows
     still going, ``limits`` the maximum length, the end-of-sequence tokens and the pad token (``None`` and ``None``
-    without an end-of-sequence criterion), ``choice`` the logits processors (of the kinds :func:`choice_key` takes)
-    and whether the token is drawn from their softmax (else their argmax).
+    without an end-of-sequence criterion), ``choice`` transformers' logits processors and whether the token is drawn
+    from their softmax (else their argmax), ``criteria`` transformers' stopping criteria (:func:`runs_in_the_loop`
+    says which the loop runs).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
     and records it with :func:`mark_unsupported`).
@@ -477,14 +420,20 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
         tensors[_ENCODER], encoder_output_type = held["last_hidden_state"], type(encoder_outputs)
     constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
     processors, do_sample = choice
-    if _reads_tokens(processors):
-        processors, tensors[_TOKENS] = _tokens_so_far(processors, sequences, limits[0])
-    if any(type(processor) in _processor_kinds()["length"] for processor in processors):
-        processors = as_run(processors)
+    max_length = limits[0]
+    if not runs_in_the_loop(processors, criteria):
+        raise NotImplementedError("a logits processor or stopping criterion is of a kind the loop does not run")
+    processors = decode_processors.as_run(processors, sequences, max_length)
+    criteria = decode_processors.as_run([criterion for criterion in criteria
+                                         if decode_processors.runs_in_the_loop(criterion)], sequences, max_length)
+    if criteria or any(isinstance(processor, decode_processors.LoopProcessor) for processor in processors):
+        tensors[_TOKENS] = torch.nn.functional.pad(sequences, (0, max_length - sequences.shape[1]))
         tensors[_LENGTH] = torch.tensor(sequences.shape[1], device=sequences.device)
-    choosing = choice_key(processors, do_sample)
-    if choosing is None:
-        raise NotImplementedError("a logits processor is of a kind the loop does not run")
+    for kind, forms in (("processor", processors), ("criterion", criteria)):
+        for index, form in enumerate(forms):
+            for name, value in getattr(form, "inputs", {}).items():
+                tensors[_form_input(kind, index, name)] = value
+    choosing = decode_processors.key(processors), do_sample, decode_processors.key(criteria)
     try:
         key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
                sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing, outputs,
@@ -496,8 +445,8 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     program = graph_lowering._lookup(programs, key)
     if program is None:
         try:
-            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample), outputs,
-                               encoder_output_type)
+            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample), criteria,
+                               outputs, encoder_output_type)
         except Exception as error:  # tracing or lowering failed: the caller decodes step by step
             raise NotImplementedError(f"{type(error).__name__}: {error}") from error
         graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)

@@ -15,6 +15,7 @@ __all__ = ["INTEGRATIONS", "install", "when_imported"]
 INTEGRATIONS: dict[str, str] = {
     "transformers.generation.utils": "generation",
     "transformers.generation.continuous_batching.cache": "continuous_batching",
+    "transformers.cli.serving.utils": "serving",  # `transformers serve`
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
     "transformers": "transformers",
     # not "transformers": by then transformers.utils has bound is_kernels_available

@@ -48,6 +48,7 @@ Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.gen
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -242,8 +243,17 @@ def _install_in_graph_decode_mask(module: Any) -> None:
 
 # the tensors among a decode step's inputs that the one-program loop knows how to carry from step to step
 _STEP_TENSORS = ("input_ids", "decoder_input_ids", "attention_mask", "position_ids")
-# tokens a streamer gets at a time from the one-program loop (a program run each)
-_STREAMED_CHUNK = 8
+
+
+def streamed_tokens() -> int:
+    """The tokens a streamer gets at a time from the one-program loop (a program run each):
+    ``HF_TPU_STREAMED_TOKENS``, 8 by default; 1 streams token by token, at a program run per token."""
+    value = os.environ.get("HF_TPU_STREAMED_TOKENS", "8")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"HF_TPU_STREAMED_TOKENS={value!r} must be a positive number of tokens.")
+    return int(value)
+
+
 # what generate can return per step besides the sequences: what the one-program loop keeps (the option, and the
 # output of decode_loop.next_tokens) and what it does not
 _STEP_OUTPUTS = {"output_scores": "scores", "output_logits": "logits"}
@@ -270,11 +280,8 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     (:mod:`hf_tpu.compile.decode_loop`): greedy or sampling, on one chip or a mesh, from a static cache of
     full-attention layers that generate made (not the caller's; an encoder-decoder's pair of them), which generate
     would compile the step for;
-    logits processors the loop runs (temperature, top-k, top-p, repetition penalty, ...), stopping on length and
-    end-of-sequence tokens only, the sequences (and with ``return_dict_in_generate`` the cache and maybe each
-    step's scores and logits) as the result."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
+    logits processors and stopping criteria the loop runs (:mod:`hf_tpu.compile.decode_processors`), the sequences
+    (and with ``return_dict_in_generate`` the cache and maybe each step's scores and logits) as the result."""
     from ..compile import decode_loop
 
     cache_key = next((name for name in ("cache", "past_key_values") if name in model_kwargs), None)
@@ -284,9 +291,8 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
         input_ids.device.type != "tpu" or synced_gpus
         or (generation_config.return_dict_in_generate and any(getattr(generation_config, name) for name in _OUTPUTS))
         or getattr(generation_config, "is_assistant", False)
-        or decode_loop.choice_key(logits_processor, generation_config.do_sample) is None
+        or not decode_loop.runs_in_the_loop(logits_processor, stopping_criteria)
         or decoder_cache is None or getattr(cache, "_is_user_defined", False)
-        or not all(type(criterion) in (MaxLengthCriteria, EosTokenCriteria) for criterion in stopping_criteria)
         or stopping_criteria.max_length is None
         or any(layer.max_cache_len < stopping_criteria.max_length for layer in decoder_cache.layers)
         or any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items() if name not in _STEP_TENSORS)
@@ -317,7 +323,7 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
                            stopping_criteria: Any, generation_config: Any, streamer: Any,
                            model_kwargs: dict) -> Any:
     """``_sample``'s decoding: the prefill and first token as transformers does them, then every later
-    step in one program (a run per :data:`_STREAMED_CHUNK` tokens for a ``streamer``, which gets each token as
+    step in one program (a run per :func:`streamed_tokens` tokens for a ``streamer``, which gets each token as
     transformers' loop hands it over); falls back to transformers' loop (from the start, on a reset cache) if the
     step cannot be one program."""
     from ..compile import decode_loop
@@ -336,7 +342,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     encoder_decoder = model.config.is_encoder_decoder
     kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=encoder_decoder)
     choice = (list(logits_processor), generation_config.do_sample)
-    chosen = decode_loop.next_tokens(outputs.logits, input_ids, *choice)
+    chosen = decode_loop.next_tokens(outputs.logits, lambda scores: logits_processor(input_ids, scores),
+                                     generation_config.do_sample)
     del outputs
     token = chosen["tokens"]
     wanted = tuple(name for option, name in _STEP_OUTPUTS.items()
@@ -361,7 +368,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
             pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences, limits, choice,
-                                        _STREAMED_CHUNK if streamer is not None else None, wanted)
+                                        list(stopping_criteria), streamed_tokens() if streamer is not None else None,
+                                        wanted)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
