@@ -167,3 +167,20 @@ def test_generate_with_a_static_cache_compiles_decoding_into_one_graph(monkeypat
     # one graph, run for the 5 decode steps; one program at most: a test before this one in the process (another
     # file's, stepwise too) may have compiled the same decode step, whose program is then shared
     assert stats["graphs"] == 1 and stats["compilations"] + stats["cache_hits"] == 5 and stats["compilations"] <= 1
+
+
+def test_a_cpu_tensor_updated_in_place_by_a_compiled_graph_is_written_on_the_cpu():
+    """A graph of tpu tensors that also updates a CPU scalar in place (a counter, as torch's optimizers keep their
+    step counts) writes the new value into the CPU tensor."""
+    def scaled(x, counter):
+        counter.add_(1)
+        return x * counter
+
+    compiled = torch.compile(scaled, backend="tpu")
+    counter, expected_counter = torch.tensor(0.0), torch.tensor(0.0)
+    x = torch.arange(3.0)
+    for _ in range(3):
+        result = compiled(x.to("tpu"), counter)
+        expected = scaled(x, expected_counter)
+        assert counter.device.type == "cpu" and float(counter) == float(expected_counter)
+        torch.testing.assert_close(result.cpu(), expected)

@@ -49,6 +49,33 @@ def test_training_matches_cpu(name, foreach):
     assert not torch.equal(expected[0], INITIAL["weight"])  # the steps did move the weights
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("eager_steps", [0, 1], ids=["compiled_from_the_start", "after_an_eager_step"])
+def test_a_compiled_optimizer_step_gives_cpus_weights(eager_steps):
+    """``torch.compile(optimizer.step)``: Dynamo makes a tpu optimizer capturable, its step counts on the chip, as it
+    does a cuda one (compiled from the start; after an eager step, which made them on the CPU, Dynamo moves them).
+    The weights are CPU's."""
+    results = []
+    for device in ("cpu", "tpu"):
+        model = nn.Linear(8, 4)
+        model.load_state_dict(INITIAL)
+        model.to(device)
+        optimizer = OPTIMIZERS["adamw"](model.parameters(), True)
+        step = torch.compile(optimizer.step, backend="tpu" if device == "tpu" else "eager")
+        inputs, targets = INPUTS.to(device), TARGETS.to(device)
+        for index in range(3):
+            optimizer.zero_grad()
+            F.mse_loss(model(inputs), targets).backward()
+            optimizer.step() if index < eager_steps else step()
+        counts = [state["step"] for state in optimizer.state.values()]
+        assert all(float(count) == 3.0 for count in counts)
+        if device == "tpu":
+            assert {count.device.type for count in counts} == {"tpu"}
+        results.append([p.detach().cpu() for p in model.parameters()])
+    for a, e in zip(*reversed(results)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 # --- the fused ops ------------------------------------------------------------------------------
 
 SHAPES = [(3, 4), (5,), (2, 2, 2)]

@@ -440,6 +440,16 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
     return fused.apply(reader, "view read", buffer.device_index, *arguments) if pending else reader(*arguments)
 
 
+def write_input(tensor: torch.Tensor, value: Any, device_index: int) -> None:
+    """Sets a program's input to its new ``value`` (an array on chip ``device_index``): a tpu tensor through
+    :func:`write`, a CPU tensor the program updated in place (a compiled optimizer step's step count, which torch's
+    optimizers keep on the CPU) by a copy to the host."""
+    if tensor.device.type == "tpu":
+        write(tensor, value)
+    else:
+        tensor.copy_(wrap(value, dtypes.to_torch(value.dtype), device_index))
+
+
 def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
     """Sets the tensor's elements (through its view onto the storage) to ``value``, cast to its dtype;
     ``transfer``: ``value`` was just copied from the host."""

@@ -106,7 +106,7 @@ class CallPlan:
         for position, value in zip(positions, values):
             buffer = self.inputs[position].buffer
             if buffer is None:
-                storage.write(tensors[position], value)
+                storage.write_input(tensors[position], value, self.device_index)
             else:
                 buffer().set(value)
 

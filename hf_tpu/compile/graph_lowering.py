@@ -504,7 +504,7 @@ class CompiledGraph:
             plan.write(tensors, self._mutated_inputs, written)
         else:
             for position, value in zip(self._mutated_inputs, written):
-                storage.write(tensors[position], value)
+                storage.write_input(tensors[position], value, device_index)
         if not tensors and not self._constants:  # factories only: results go to the chip, not JAX's default
             outputs = jax.device_put(outputs, runtime.device(device_index))
         results = iter(zip(outputs, self._tensor_outputs, self._layouts))
