@@ -54,6 +54,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 import hf_tpu  # noqa: F401  (registers the device even with TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+import jax_llama
 from _report import report
 
 NEW_TOKENS = 64
@@ -127,6 +128,8 @@ def in_eager_mode(mode: str, run):
 
 
 SAMPLING = dict(do_sample=True, top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05)
+# greedy decoding with the settings that read the tokens so far and their count
+SETTINGS = dict(min_new_tokens=NEW_TOKENS, no_repeat_ngram_size=3, repetition_penalty=1.1)
 
 
 def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
@@ -144,82 +147,26 @@ def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
 # --- the pure-JAX reference decoder ----------------------------------------------------------------
 
 
-def jax_weights(model: LlamaForCausalLM) -> dict:
-    def array(tensor: torch.Tensor) -> jax.Array:
-        return jnp.asarray(tensor.detach().numpy())
-
-    layers = model.model.layers
-    stacked = {
-        name: jnp.stack([array(getter(block)) for block in layers])
-        for name, getter in {
-            "input_norm": lambda layer: layer.input_layernorm.weight,
-            "q": lambda layer: layer.self_attn.q_proj.weight.T,
-            "k": lambda layer: layer.self_attn.k_proj.weight.T,
-            "v": lambda layer: layer.self_attn.v_proj.weight.T,
-            "o": lambda layer: layer.self_attn.o_proj.weight.T,
-            "post_norm": lambda layer: layer.post_attention_layernorm.weight,
-            "gate": lambda layer: layer.mlp.gate_proj.weight.T,
-            "up": lambda layer: layer.mlp.up_proj.weight.T,
-            "down": lambda layer: layer.mlp.down_proj.weight.T,
-        }.items()
-    }
-    return {
-        "embed": array(model.model.embed_tokens.weight), "layers": stacked,
-        "norm": array(model.model.norm.weight), "lm_head": array(model.lm_head.weight.T),
-    }
-
-
-def _rms_norm(x, weight, eps):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
-
-
-def _rotate(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(3, 4))
 def jax_forward(config: tuple, weights: dict, tokens, cache_k, cache_v, start):
     """Logits of the last position and the updated caches, for ``tokens`` at positions ``start``..."""
-    heads, kv_heads, head_dim, eps, theta = config
-    batch, length = tokens.shape
-    positions = start + jnp.arange(length)
-    inverse = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions[:, None].astype(jnp.float32) * inverse[None, :]
-    cos, sin = (jnp.concatenate([f(angles)] * 2, axis=-1) for f in (jnp.cos, jnp.sin))
+    positions = start + jnp.arange(tokens.shape[1])
+    cos, sin = jax_llama.rotary(config, positions)
     visible = jnp.arange(cache_k.shape[3])[None, :] <= positions[:, None]
-    x = weights["embed"][tokens]
 
     def layer(x, inputs):
         w, layer_k, layer_v = inputs
-        h = _rms_norm(x, w["input_norm"], eps)
-        q = (h @ w["q"]).reshape(batch, length, heads, head_dim).transpose(0, 2, 1, 3)
-        k = (h @ w["k"]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
-        v = (h @ w["v"]).reshape(batch, length, kv_heads, head_dim).transpose(0, 2, 1, 3)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        layer_k = jax.lax.dynamic_update_slice(layer_k, k, (0, 0, start, 0))
-        layer_v = jax.lax.dynamic_update_slice(layer_v, v, (0, 0, start, 0))
-        q = q.reshape(batch, kv_heads, heads // kv_heads, length, head_dim)
-        scores = jnp.einsum("bkgtd,bksd->bkgts", q, layer_k) / jnp.sqrt(head_dim).astype(q.dtype)
-        scores = jnp.where(visible, scores, -jnp.inf)
-        attended = jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(scores, axis=-1), layer_v)
-        attended = attended.reshape(batch, heads, length, head_dim).transpose(0, 2, 1, 3)
-        x = x + attended.reshape(batch, length, heads * head_dim) @ w["o"]
-        h = _rms_norm(x, w["post_norm"], eps)
-        x = x + (jax.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
-        return x, (layer_k, layer_v)
+        return jax_llama.layer(config, w, x, cos, sin, visible, (layer_k, layer_v), start)
 
-    x, (cache_k, cache_v) = jax.lax.scan(layer, x, (weights["layers"], cache_k, cache_v))
-    logits = _rms_norm(x[:, -1], weights["norm"], eps) @ weights["lm_head"]
+    x, (cache_k, cache_v) = jax.lax.scan(layer, weights["embed"][tokens], (weights["layers"], cache_k, cache_v))
+    logits = jax_llama.rms_norm(x[:, -1], weights["norm"], config[3]) @ weights["lm_head"]
     return logits, cache_k, cache_v
 
 
 def jax_generate(model: LlamaForCausalLM, weights: dict, prompt: np.ndarray) -> list[int]:
     config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    static = (config.num_attention_heads, config.num_key_value_heads, head_dim, config.rms_norm_eps,
-              config.rope_parameters["rope_theta"])
+    static = jax_llama.config_of(model)
+    head_dim = static[2]
     shape = (config.num_hidden_layers, 1, config.num_key_value_heads, prompt.shape[1] + NEW_TOKENS, head_dim)
     cache_k, cache_v = jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
     logits, cache_k, cache_v = jax_forward(static, weights, jnp.asarray(prompt), cache_k, cache_v, 0)
@@ -288,22 +235,26 @@ def main() -> None:
         results["torch cpu inductor"] = timed(
             lambda: hf_generate(model, prompt, cache_implementation="static", compile_config=inductor), args.repeats
         )
-    weights = jax_weights(model)
+    weights = jax_llama.weights_of(model)
     tpu_model = copy.deepcopy(model).to("tpu")
     tpu_prompt = prompt.to("tpu")
     # alternated, so that all see the same load on a shared machine: their ratios are the figures that matter
     run_jax = functools.partial(jax_generate, model, weights, prompt.numpy())
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
     run_sampled = functools.partial(run_tpu, **SAMPLING)
+    run_settings = functools.partial(run_tpu, **SETTINGS)
     alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),
                   "tpu fused": in_eager_mode("fused", run_tpu),
                   "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu)),
                   "tpu sampled": in_eager_mode("strict", run_sampled),
-                  "tpu sampled stepwise": stepwise(in_eager_mode("fused", run_sampled))}
+                  "tpu sampled stepwise": stepwise(in_eager_mode("fused", run_sampled)),
+                  "tpu settings": in_eager_mode("strict", run_settings),
+                  "tpu settings stepwise": stepwise(in_eager_mode("fused", run_settings))}
     results.update(timed_together(alternated, args.repeats))
     host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
 
     reference_tokens = results["torch cpu eager"][1]
+    settings_tokens = hf_generate(model, prompt, **SETTINGS)
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
     best_cpu = max(NEW_TOKENS / results[name][0] for name in results if name.startswith("torch cpu"))
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
@@ -312,15 +263,22 @@ def main() -> None:
     print(f"{'variant':<21} {'tokens/s':>9} {'/ cpu eager':>12} {'same tokens*':>13}")
     for name, (seconds, tokens) in results.items():
         rate = NEW_TOKENS / seconds
-        reference = results["tpu sampled stepwise"][1] if name.startswith("tpu sampled") else reference_tokens
+        reference = results["tpu sampled stepwise"][1] if name.startswith("tpu sampled") else \
+            settings_tokens if name.startswith("tpu settings") else reference_tokens
         print(f"{name:<21} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference):>13}")
-    print("* as cpu eager's; the sampled runs' as tpu sampled stepwise's\n")
-    for name in ("tpu", "tpu fused", "tpu stepwise", "tpu sampled", "tpu sampled stepwise"):
+    print("* as cpu eager's; the sampled runs' as tpu sampled stepwise's; the settings runs' as cpu eager's with "
+          "them\n")
+    for name in ("tpu", "tpu fused", "tpu stepwise", "tpu sampled", "tpu sampled stepwise", "tpu settings",
+                 "tpu settings stepwise"):
         rate = NEW_TOKENS / results[name][0]
         versus_jax = rate * results["pure jax"][0] / NEW_TOKENS
         print(f"{name} / best torch cpu path: {rate / best_cpu:.2f}x; {name} / pure jax: {versus_jax:.2f}x")
         report(f"tokens/s, {name} / pure jax", versus_jax, "x", "hand-written JAX decoder (goal >= 0.9x)")
         report(f"tokens/s, {name} / best torch cpu path", rate / best_cpu, "x", "fastest torch CPU generate")
+    settings_rate = results["tpu"][0] / results["tpu settings"][0]
+    print(f"tpu settings / tpu plain greedy: {settings_rate:.2f}x")
+    report("tokens/s, tpu settings / tpu plain greedy", settings_rate, "x",
+           "greedy with min_new_tokens, no_repeat_ngram_size and repetition_penalty (goal: 1x)")
     print("host CPU per new token (main thread): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:
