@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,15 +20,10 @@ import openai
 import pytest
 
 from tiny_models import WORDS, save_tiny_llama
+from torchrun_cases import _free_port
 
 START_TIMEOUT_S, REQUEST_TIMEOUT_S = 180, 120
 REQUESTS, CLIENTS, NEW_TOKENS = 12, 6, 12
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _chat_model(folder: Path) -> Path:

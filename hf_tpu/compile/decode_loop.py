@@ -144,8 +144,8 @@ class _Step(torch.nn.Module):
         stopped = ()
         if self._criteria:
             written = tokens.scatter(1, length.reshape(1, 1).expand(tokens.shape[0], 1), chosen["tokens"][:, None])
-            meets = [criterion(written, length + 1, **inputs)
-                     for criterion, inputs in zip(self._criteria, criteria_given)]
+            meets = [criterion(written, length + 1, **its_inputs)
+                     for criterion, its_inputs in zip(self._criteria, criteria_given)]
             stopped = (functools.reduce(torch.logical_or, meets),)
         return (chosen["tokens"], *(chosen[name] for name in self._outputs), *stopped)
 
