@@ -63,6 +63,39 @@ def test_input_mutations_are_applied_to_the_callers_tensors():
     assert compile_stats()["calls"] == 1
 
 
+def _write_and_read_rows(cache, layer_views, rows, values, read):
+    """As continuous batching's paged cache: rows written into, and read from, views of one large buffer."""
+    outputs = []
+    for view, layer_values in zip(layer_views, values):
+        view.index_copy_(0, rows, layer_values)
+        outputs.append(view.index_select(0, read))
+    return torch.stack(outputs)
+
+
+def test_rows_written_and_read_through_views_of_a_buffer_touch_only_those_rows(monkeypatch):
+    from hf_tpu.compile import row_updates
+
+    folded = []
+    fold = row_updates.fold
+    monkeypatch.setattr(row_updates, "fold", lambda graph_module: folded.append(fold(graph_module)))
+    torch.manual_seed(0)
+    cache = torch.randn(64 * 3, 2, 4)
+    views = [cache[16:], cache[72:], cache.view(-1)[8:].view(-1, 2, 4)]  # the last at an offset of one row
+    rows, read = torch.tensor([3, 0, 9]), torch.tensor([9, 3, 1, 0, 40])
+    values = torch.randn(3, 3, 2, 4)
+    tpu_cache = cache.to("tpu")
+    tpu_views = [tpu_cache[16:], tpu_cache[72:], tpu_cache.view(-1)[8:].view(-1, 2, 4)]
+    expected = _write_and_read_rows(cache, views, rows, values, read)
+
+    result = torch.compile(_write_and_read_rows, backend="tpu", fullgraph=True)(
+        tpu_cache, tpu_views, rows.to("tpu"), values.to("tpu"), read.to("tpu"))
+
+    torch.testing.assert_close(result.cpu(), expected)
+    torch.testing.assert_close(tpu_cache.cpu(), cache)
+    assert folded == [(3, 3)]  # each layer's write and read became a scatter and a gather of its rows
+    assert compile_stats()["fallbacks"] == 0
+
+
 def _views_and_factories(x):
     left, right = x.t().split([2, 3], dim=0)
     rows = torch.unbind(x[1:, ::2].unsqueeze(0).expand(2, -1, -1), dim=1)

@@ -34,7 +34,7 @@ from ..backend.forks import check_not_forked
 from ..backend.positions import is_traced
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
-from . import fast_call, recompiles
+from . import fast_call, recompiles, row_updates
 from .graph_random import RANDOM_LOWERINGS
 from .stats import count
 
@@ -244,6 +244,7 @@ def _symbols(value: Any) -> set:
 _POSITION_ARGUMENTS = {
     "aten::slice.Tensor": (2, 3), "aten::slice_scatter": (3, 4), "aten::select.int": (2,),
     "aten::select_scatter": (3,), "aten::slice_backward": (3, 4), "aten::as_strided": (3,), "aten::roll": (1,),
+    "hf_tpu::row_scatter": (4,), "hf_tpu::row_gather": (3,),
 }
 
 
@@ -320,6 +321,7 @@ class CompiledGraph:
     """
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
+        row_updates.fold(graph_module)
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._tensor_positions = [i for i, n in enumerate(placeholders) if _is_tensor(n)]
         self._static_positions = [i for i, n in enumerate(placeholders) if not _is_tensor(n)]

@@ -152,6 +152,14 @@ def as_strided(self, size, stride, storage_offset=None):
     return strided.read(self.reshape(-1), tuple(size), tuple(stride), 0 if storage_offset is None else storage_offset)
 
 
+@graph_lowering("as_strided_scatter", "prims::as_strided_scatter")
+def as_strided_scatter(self, src, size, stride, storage_offset=None):
+    """``self`` with ``src`` written over ``self.as_strided(size, stride, storage_offset)``: how a graph writes
+    through a view of an input (functionalized ``index_copy_`` into a paged cache's layer, for one)."""
+    offset = 0 if storage_offset is None else storage_offset
+    return strided.write(self.reshape(-1), src, tuple(size), tuple(stride), offset).reshape(self.shape)
+
+
 @graph_lowering("view_as_complex")
 def view_as_complex(self):
     """Pairs of the last dim as (real, imaginary) parts: a graph value's storage is not shared, so the view is the
