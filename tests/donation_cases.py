@@ -101,6 +101,27 @@ def test_a_cache_written_at_moving_positions_stays_in_its_memory():
     assert_same(cache, cpu)
 
 
+def _write_rows(floats, rows, values):
+    floats[2:].index_copy_(0, rows, values)
+
+
+def test_a_byte_buffer_a_compiled_step_updates_as_floats_is_updated_in_place():
+    """As a paged cache: bytes, viewed and written as floats by each step."""
+    cpu_bytes = torch.zeros(64 * 4 * 4, dtype=torch.uint8)
+    tpu_bytes = cpu_bytes.to("tpu")
+    step = torch.compile(_write_rows, backend="tpu", fullgraph=True)
+    for index in range(3):
+        rows, values = torch.tensor([index, 9 + index]), torch.full((2, 4), index + 0.5)
+        _write_rows(cpu_bytes.view(torch.float32).view(64, 4), rows, values)
+        step(tpu_bytes.view(torch.float32).view(64, 4), rows.to("tpu"), values.to("tpu"))
+        if index == 0:  # from the first step on, the storage holds floats: the next steps update it in place
+            address, copies = _address(tpu_bytes.view(torch.float32)), _copies()
+    assert _address(tpu_bytes.view(torch.float32)) == address
+    assert _copies() == copies
+    assert_same(tpu_bytes, cpu_bytes)
+    assert_same(tpu_bytes.view(torch.float32), cpu_bytes.view(torch.float32))
+
+
 def test_fused_mode_gives_the_same_values():
     torch.tpu.set_eager_mode("fused")
     try:

@@ -440,6 +440,23 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
     return fused.apply(reader, "view read", buffer.device_index, *arguments) if pending else reader(*arguments)
 
 
+def adopt_dtype(tensor: torch.Tensor) -> None:
+    """A storage that ``tensor`` covers whole, in order, in another dtype than the storage was made with (a byte
+    buffer that a paged cache reads and writes as its model's dtype) keeps its elements in ``tensor``'s dtype from
+    now on, so that a program updating ``tensor`` can be given the storage's own array to update in place (see
+    :func:`donatable`). Views in the old dtype read it through a bitcast, as views in any other dtype do."""
+    buffer = buffer_of(tensor)
+    if (tensor.dtype is buffer.dtype or buffer.sharding is not None or tensor.storage_offset()
+            or not tensor.is_contiguous() or tensor.numel() * tensor.dtype.itemsize != buffer.nbytes
+            or tensor.is_conj() or tensor.is_neg()):
+        return
+    written = buffer.array is not None or buffer.pending is not None
+    value = fused.concrete(read(tensor)) if written else None  # a storage never written stays lazy
+    buffer.dtype, buffer.numel = tensor.dtype, tensor.numel()
+    if written:
+        buffer.set(value)
+
+
 def write_input(tensor: torch.Tensor, value: Any, device_index: int) -> None:
     """Sets a program's input to its new ``value`` (an array on chip ``device_index``): a tpu tensor through
     :func:`write`, a CPU tensor the program updated in place (a compiled optimizer step's step count, which torch's

@@ -455,6 +455,9 @@ class CompiledGraph:
             return self._run(tensors, static_values)
 
     def _run(self, tensors: list[torch.Tensor], call_values: tuple) -> list:
+        for position in self._mutated_inputs:  # e.g. a paged cache's bytes updated as floats: then donatable
+            if tensors[position].device.type == "tpu":
+                storage.adopt_dtype(tensors[position])
         inputs = tensors + self._constants
         static_values = tuple(_POSITION if slot in self._position_slots else value
                               for slot, value in enumerate(call_values))
