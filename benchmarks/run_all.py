@@ -95,6 +95,7 @@ BENCHMARKS = [
     Benchmark("in_place_memory", quick=("--mib", "64"), timeout=600),
     Benchmark("dynamic_cache_decode", quick=("--new-tokens", "32"), timeout=900),
     Benchmark("serving", quick=("--requests", "8", "--clients", "4", "--tokens", "8"), timeout=1800),
+    Benchmark("continuous_batching", quick=("--requests", "16", "--tokens", "8"), timeout=1800),
 ]
 
 

@@ -37,9 +37,11 @@ def _chat_model(folder: Path) -> Path:
 
 
 def _start(model: Path, device: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """``device`` "tpu+cb" starts a tpu server with continuous batching."""
     port = _free_port()
+    device, _, batching = device.partition("+")
     command = [shutil.which("transformers") or "transformers", "serve", str(model), "--device", device,
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--host", "127.0.0.1", "--port", str(port), *(["--continuous-batching"] if batching else [])]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as output:
         server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=environment)
@@ -71,10 +73,11 @@ def _stop(server: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """A tpu server and a CPU server of the same model, started together: ``{device: (url, model name)}``."""
+    """A tpu server, a tpu server with continuous batching and a CPU server of the same model, started together:
+    ``{device: (url, model name)}``."""
     folder = tmp_path_factory.mktemp("serving")
     model = _chat_model(folder / "model")
-    started = {device: _start(model, device, folder / f"{device}.log") for device in ("tpu", "cpu")}
+    started = {device: _start(model, device, folder / f"{device}.log") for device in ("tpu", "tpu+cb", "cpu")}
     try:
         for device, (server, url) in started.items():
             _wait_until_serving(server, url, folder / f"{device}.log")
@@ -117,6 +120,11 @@ def test_concurrent_requests_get_the_cpu_servers_answers(servers):
     assert all(reason in ("stop", "length") for _, reason in on_tpu)
     assert sum(bool(text) for text, _ in on_tpu) >= REQUESTS // 2  # answers, not empty strings
     assert len({text for text, _ in on_tpu}) > 2
+
+
+def test_continuous_batching_on_tpu_gives_the_cpu_servers_answers(servers):
+    urls, model = servers
+    assert _answers(urls["tpu+cb"], model) == _answers(urls["cpu"], model)
 
 
 def _post(url: str, body: bytes) -> tuple[int, str]:

@@ -3,13 +3,16 @@ paged cache sized from the chip's memory, not the host's.
 
 **Compiled steps.** transformers runs each batch eagerly unless a compile config is given, and pads a batch's
 query and key sizes only when it compiles. On tpu, eager batches of new sizes are new XLA programs at every
-step, so a tpu model's batches are compiled by default (``CompileConfig(dynamic=True)``: Dynamo traces once,
-hf_tpu compiles one program per padded size), and the sizes are padded to powers of two: the query tokens to at
-least :data:`MIN_QUERY_TOKENS` and at most ``max_batch_tokens``, the tokens read from the cache to zero or at least
-one page and at most the cache. A run therefore compiles at most
+step, so a tpu model's batches are compiled by default (``CompileConfig(dynamic=True)``: Dynamo traces once per
+manager, hf_tpu compiles one program per padded size), and the sizes are padded to powers of two: the query
+tokens to at least :data:`MIN_QUERY_TOKENS` and at most ``max_batch_tokens``, the tokens read from the cache to
+zero or at least one page and at most the cache. A run therefore compiles at most
 ``(log2(max_batch_tokens / MIN_QUERY_TOKENS) + 2) * (log2(max_tokens_read / page_size) + 2)`` programs of the step,
 whatever the number and lengths of its requests (:func:`padded_sizes`). A compile config of the user's is used as
-given, with these sizes.
+given, with these sizes. transformers' warm-up, which runs a step at the largest sizes so that CUDA graphs are
+captured before any request, is skipped: on tpu it would compile a program of a batch that may never come, with an
+attention over the whole cache (tens of GiB for a cache sized from the memory), and each program compiles when a
+batch of its size first comes.
 
 **One program per step.** transformers keeps ``PagedAttentionCache.update`` out of compiled graphs
 (``torch.compiler.disable``: Inductor does not handle the cache tensor's views), which splits a step at every
@@ -35,7 +38,8 @@ memory, capped at :data:`HOST_CACHE_BYTES`. An explicit ``num_blocks`` is used a
 
 Patches ``PagedAttentionCache.__init__`` and the ``get_device_and_memory_breakdown`` it calls
 (``transformers/generation/continuous_batching/cache.py``), ``resolve_max_memory_percent``
-(``.../initialization.py``), ``ModelRunner.__init__`` and ``maybe_pad_inputs`` (``.../model_runner.py``) and
+(``.../initialization.py``), ``ModelRunner.__init__``, ``maybe_pad_inputs`` and ``warmup``
+(``.../model_runner.py``) and
 ``ContinuousBatchingIOs`` (``.../input_outputs.py``), transformers 5.2x.
 """
 
@@ -134,7 +138,7 @@ def padded_sizes(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max
 def _install_compiled_tpu_steps(model_runner: Any) -> None:
     """A tpu model's batches are compiled by default and padded by :func:`padded_sizes` (``ModelRunner``)."""
     runner = model_runner.ModelRunner
-    init, maybe_pad_inputs = runner.__init__, runner.maybe_pad_inputs
+    init, maybe_pad_inputs, warmup = runner.__init__, runner.maybe_pad_inputs, runner.warmup
     if getattr(init, "_hf_tpu", False):
         return
     from transformers.generation.configuration_utils import CompileConfig
@@ -153,8 +157,13 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
         return padded_sizes(num_q_tokens, max_kv_read, self.cache.max_batch_tokens, self.cache.max_tokens_read,
                             self.cb_config.page_size)
 
+    @functools.wraps(warmup)
+    def warm_up_unless_on_tpu(self: Any, model: Any) -> None:
+        if torch.device(self.cache.device).type != "tpu":
+            return warmup(self, model)
+
     __init__._hf_tpu = True
-    runner.__init__, runner.maybe_pad_inputs = __init__, pad_inputs
+    runner.__init__, runner.maybe_pad_inputs, runner.warmup = __init__, pad_inputs, warm_up_unless_on_tpu
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
