@@ -11,7 +11,7 @@ import pytest
 
 FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = [FOLDER / "quickstart.py", FOLDER / "offloading.py", FOLDER / "pallas_kernels.py", FOLDER / "sharding.py",
-             FOLDER / "tensor_parallel.py"]
+             FOLDER / "tensor_parallel.py", FOLDER / "serving.py"]
 
 
 def test_every_notebook_is_run():
