@@ -96,6 +96,19 @@ def test_rows_written_and_read_through_views_of_a_buffer_touch_only_those_rows(m
     assert compile_stats()["fallbacks"] == 0
 
 
+def test_the_row_ops_a_graph_is_rewritten_with_also_run_op_by_op():
+    """A rewritten graph that falls back to eager mode runs them as torch ops, on tpu as on CPU."""
+    from hf_tpu.compile import row_updates  # noqa: F401  (defines the ops)
+
+    base, rows, source = torch.arange(24.0).reshape(6, 4), torch.tensor([0, 2]), torch.full((2, 4), -1.0)
+    for device in ("cpu", "tpu"):
+        written = torch.ops.hf_tpu.row_scatter(*to_tpu((base, rows, source)) if device == "tpu" else
+                                               (base, rows, source), 4, 4)
+        read = torch.ops.hf_tpu.row_gather(base.to(device), rows.to(device), [4], 4)
+        assert written.cpu()[[1, 3]].eq(-1).all() and written.cpu()[[0, 2, 4, 5]].equal(base[[0, 2, 4, 5]])
+        assert read.cpu().equal(base[[1, 3]])
+
+
 def _views_and_factories(x):
     left, right = x.t().split([2, 3], dim=0)
     rows = torch.unbind(x[1:, ::2].unsqueeze(0).expand(2, -1, -1), dim=1)

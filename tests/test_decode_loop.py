@@ -107,6 +107,29 @@ def test_a_streamer_can_get_each_token_from_its_own_program_run(models, monkeypa
         _generate(tpu_model, to_tpu(prompt), streamer=Collector())
 
 
+@pytest.mark.parametrize("cancelled_at", [None, 3], ids=["never_cancelled", "cancelled_at_the_third_check"])
+def test_a_criterion_checked_between_runs_stops_the_one_program_between_its_runs(models, monkeypatch, cancelled_at):
+    """As serve's check that a client cancelled: a criterion that reads no token is checked between runs."""
+    cpu_model, tpu_model = models
+    prompt = _padded_batch()[0][:1]
+    checks = []
+
+    def cancelled(input_ids, scores, **kwargs):
+        checks.append(input_ids.shape[1])
+        return torch.full((input_ids.shape[0],), len(checks) == cancelled_at, device=input_ids.device)
+
+    monkeypatch.setattr(decode_loop, "_BETWEEN_RUNS", [lambda criterion: criterion is cancelled])
+    monkeypatch.setenv("HF_TPU_STREAMED_TOKENS", "3")
+    expected = _generate(cpu_model, prompt)
+    tokens = _generate(tpu_model, to_tpu(prompt), stopping_criteria=[cancelled]).cpu()
+    runs = compile_stats()["decode_loops"]
+    if cancelled_at is None:
+        assert tokens.tolist() == expected.tolist() and runs == 3  # 9 tokens after the prefill's, 3 a run
+    else:  # checked after the prefill's token and after each run: stopped after the second run
+        assert tokens.tolist() == expected[:, :prompt.shape[1] + 7].tolist() and runs == 2
+    assert checks[:3] == [prompt.shape[1] + 1, prompt.shape[1] + 4, prompt.shape[1] + 7]
+
+
 def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monkeypatch):
     cpu_model, tpu_model = models
     prompt, mask = _padded_batch()

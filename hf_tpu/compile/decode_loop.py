@@ -79,14 +79,32 @@ def next_tokens(logits: torch.Tensor, process: Callable[[torch.Tensor], torch.Te
     return {"tokens": tokens, "scores": scores, "logits": raw}
 
 
+_BETWEEN_RUNS: list[Callable[[Any], bool]] = []
+
+
+def check_between_runs(names_one: Callable[[Any], bool]) -> None:
+    """Registers a predicate that names stopping criteria which read no token, only state outside generate (a
+    server's check that its client cancelled): the loop checks those on the host between its program runs, every
+    ``HF_TPU_STREAMED_TOKENS`` tokens (:func:`hf_tpu.integrations.generation.streamed_tokens`), instead of sending
+    the call to transformers' loop. A criterion that reads the tokens must not be named: between runs, it would
+    stop later than transformers' loop."""
+    if names_one not in _BETWEEN_RUNS:
+        _BETWEEN_RUNS.append(names_one)
+
+
+def checked_between_runs(criterion: Any) -> bool:
+    return any(names_one(criterion) for names_one in _BETWEEN_RUNS)
+
+
 def runs_in_the_loop(processors: Sequence, criteria: Sequence) -> bool:
     """Whether the loop runs every logits processor and stopping criterion as transformers' loop does (see
-    :mod:`hf_tpu.compile.decode_processors`); the length and end-of-sequence criteria are the loop's own."""
+    :mod:`hf_tpu.compile.decode_processors`), or checks it between runs (:func:`check_between_runs`); the length
+    and end-of-sequence criteria are the loop's own."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     return all(map(decode_processors.runs_in_the_loop, processors)) and all(
         type(criterion) in (MaxLengthCriteria, EosTokenCriteria) or decode_processors.runs_in_the_loop(criterion)
-        for criterion in criteria)
+        or checked_between_runs(criterion) for criterion in criteria)
 
 
 _TOKENS = "tokens so far"  # the step's inputs, for processors and criteria that read them (not model inputs):

@@ -29,6 +29,25 @@ _LIBRARY.define("row_gather(Tensor base, Tensor index, SymInt[] row_shape, SymIn
 aten = torch.ops.aten
 
 
+def _positions(index: torch.Tensor, row_numel: int, offset: int) -> torch.Tensor:
+    return (offset + index[:, None] * row_numel + torch.arange(row_numel, device=index.device)).reshape(-1)
+
+
+def _row_scatter_by_ops(base, index, source, row_numel, offset):
+    flat = base.reshape(-1).clone()
+    flat[_positions(index, row_numel, offset)] = source.reshape(-1).to(flat.dtype)
+    return flat.view(base.shape)
+
+
+def _row_gather_by_ops(base, index, row_shape, offset):
+    return base.reshape(-1)[_positions(index, math.prod(row_shape), offset)].view(index.shape[0], *row_shape)
+
+
+# torch ops, so that a graph holding them still runs op by op (a graph that falls back to eager mode) and traces
+_LIBRARY.impl("row_scatter", _row_scatter_by_ops, "CompositeExplicitAutograd")
+_LIBRARY.impl("row_gather", _row_gather_by_ops, "CompositeExplicitAutograd")
+
+
 def _row_positions(index: Any, row_numel: int, offset: Any) -> Any:
     return (offset + index.astype(jnp.int64)[:, None] * row_numel + jnp.arange(row_numel)).reshape(-1)
 
@@ -113,4 +132,6 @@ def fold(graph_module: fx.GraphModule) -> tuple[int, int]:
                 _replace(graph, node, torch.ops.hf_tpu.row_gather.default, (base, node.args[2], rows, offset))
                 _erase_unused(graph, viewed)
                 reads += 1
+    if writes or reads:
+        graph_module.recompile()
     return writes, reads

@@ -319,12 +319,21 @@ def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
     return max_length, torch.cat(eos) if eos else None, pad
 
 
+def _all_stopped(criteria: list, sequences: torch.Tensor) -> bool:
+    """Whether every row is stopped by one of ``criteria`` (checked between the loop's runs)."""
+    stopped = torch.zeros(sequences.shape[0], dtype=torch.bool, device=sequences.device)
+    for criterion in criteria:
+        stopped |= criterion(sequences, None)
+    return bool(stopped.all())
+
+
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
                            stopping_criteria: Any, generation_config: Any, streamer: Any,
                            model_kwargs: dict) -> Any:
     """``_sample``'s decoding: the prefill and first token as transformers does them, then every later
     step in one program (a run per :func:`streamed_tokens` tokens for a ``streamer``, which gets each token as
-    transformers' loop hands it over); falls back to transformers' loop (from the start, on a reset cache) if the
+    transformers' loop hands it over, or for criteria checked between runs: ``decode_loop.check_between_runs``);
+    falls back to transformers' loop (from the start, on a reset cache) if the
     step cannot be one program."""
     from ..compile import decode_loop
 
@@ -341,6 +350,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
     encoder_decoder = model.config.is_encoder_decoder
     kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=encoder_decoder)
+    between_runs = [criterion for criterion in stopping_criteria if decode_loop.checked_between_runs(criterion)]
+    chunk = streamed_tokens() if streamer is not None or between_runs else None
     choice = (list(logits_processor), generation_config.do_sample)
     chosen = decode_loop.next_tokens(outputs.logits, lambda scores: logits_processor(input_ids, scores),
                                      generation_config.do_sample)
@@ -368,8 +379,7 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
         with model._optimize_model_for_decode():
             pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences, limits, choice,
-                                        list(stopping_criteria), streamed_tokens() if streamer is not None else None,
-                                        wanted)
+                                        [c for c in stopping_criteria if c not in between_runs], chunk, wanted)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
@@ -386,6 +396,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             tokens.append(piece)
             for name, output in zip(wanted, outputs):
                 per_step[name].append(output)
+            if between_runs and _all_stopped(between_runs, torch.cat(tokens, dim=-1)):
+                break
     if streamer is not None:
         streamer.end()
     sequences = torch.cat(tokens, dim=-1)

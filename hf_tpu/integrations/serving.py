@@ -7,6 +7,11 @@ server spent its first minutes compiling. With a static cache, whose length gene
 :mod:`hf_tpu.integrations.generation`), a request's prefill and decode compile once per bucket, and a streamed
 request decodes in one program per :func:`~hf_tpu.integrations.generation.streamed_tokens` tokens. A request or
 generation config that names a cache implementation keeps it.
+
+A request that does not stream is given serve's own stopping criterion, which checks whether the client cancelled
+(it reads no token): the one-program loop checks it between its runs, one per ``streamed_tokens()`` tokens
+(``decode_loop.check_between_runs``), so such a request decodes in programs of that many tokens too, not token by
+token in transformers' loop.
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ def _install_static_cache(runner: type) -> None:
     runner.generate = generate_with_a_static_cache_on_tpu
 
 
+def is_cancellation_check(criterion: Any) -> bool:
+    """serve's stopping criterion for a request that does not stream (``stop_if_cancelled``, made in
+    ``GenerateRunner.generate``): it reads whether the client cancelled, no token."""
+    return (getattr(criterion, "__module__", None) == "transformers.cli.serving.utils"
+            and getattr(criterion, "__qualname__", "") == "GenerateRunner.generate.<locals>.stop_if_cancelled")
+
+
 def install(module: Any) -> None:
+    from ..compile import decode_loop
+
     if hasattr(module, "GenerateRunner"):
         _install_static_cache(module.GenerateRunner)
+        decode_loop.check_between_runs(is_cancellation_check)
