@@ -1,7 +1,8 @@
 """`transformers serve` on tpu against the same server on CPU: a load of chat completions from concurrent clients.
 
 Saves a tiny Llama (tiny_llama.py's, hidden 256, 4 layers) with a word-level tokenizer and a chat template, starts
-`transformers serve` on tpu and on CPU (one after the other, each alone on the host), and sends each the same load
+`transformers serve` on CPU and on tpu, each also with ``--continuous-batching`` (one server at a time, each alone
+on the host), and sends each the same load
 twice, cold then warm: ``--requests`` chat completions from ``--clients`` concurrent clients, prompts of 4 to 64
 words, half of them streamed, greedy, each answer ``--tokens`` tokens long (``min_new_tokens`` in the request's
 generation config). Prints tokens/s, p50 and p99 latency of each pass, whether the tpu server's answers are the CPU
@@ -32,6 +33,7 @@ from _report import report
 from tiny_llama import tiny_llama
 
 START_TIMEOUT_S = 300
+SERVERS = ("cpu", "tpu", "cpu+cb", "tpu+cb")  # +cb: with --continuous-batching
 
 
 def save_chat_model(folder: Path) -> Path:
@@ -51,12 +53,15 @@ def save_chat_model(folder: Path) -> Path:
     return folder
 
 
-def start(model: Path, device: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start(model: Path, server_name: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """``server_name``: a device, with ``+cb`` for continuous batching."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    device, _, batching = server_name.partition("+")
     command = [shutil.which("transformers") or "transformers", "serve", str(model), "--device", device,
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+               *(["--continuous-batching"] if batching else [])]
     with open(log, "w") as output:
         server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
                                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
@@ -69,7 +74,7 @@ def start(model: Path, device: str, log: Path) -> tuple[subprocess.Popen, str]:
         except OSError:
             time.sleep(0.5)
     server.kill()
-    raise RuntimeError(f"the {device} server did not start:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"the {server_name} server did not start:\n{log.read_text()[-3000:]}")
 
 
 def ask(url: str, model: str, index: int, tokens: int) -> tuple[float, str]:
@@ -108,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = save_chat_model(Path(folder) / "model")
         passes = {}
-        for device in ("cpu", "tpu"):
+        for device in SERVERS:
             server, url = start(model, device, Path(folder) / f"{device}.log")
             try:
                 for name in ("cold", "warm"):
@@ -119,15 +124,17 @@ def main() -> None:
     print(f"tpu device backed by: {torch.tpu.get_device_name()}")
     print(f"transformers serve: {args.requests} chat completions from {args.clients} clients, half streamed, "
           f"greedy, {args.tokens} tokens each\n")
-    print(f"{'server':<6} {'pass':<5} {'seconds':>8} {'tokens/s':>9} {'p50 s':>7} {'p99 s':>7} {'= cpu':>6}")
+    print("(+cb: --continuous-batching)\n")
+    print(f"{'server':<7} {'pass':<5} {'seconds':>8} {'tokens/s':>9} {'p50 s':>7} {'p99 s':>7} {'= cpu':>6}")
     for (device, name), result in passes.items():
         same = result["answers"] == passes["cpu", name]["answers"]
-        print(f"{device:<6} {name:<5} {result['seconds']:8.1f} {result['tokens/s']:9.1f} {result['p50']:7.2f} "
+        print(f"{device:<7} {name:<5} {result['seconds']:8.1f} {result['tokens/s']:9.1f} {result['p50']:7.2f} "
               f"{result['p99']:7.2f} {str(same):>6}")
-    for name in ("cold", "warm"):
-        ratio = passes["tpu", name]["tokens/s"] / passes["cpu", name]["tokens/s"]
-        print(f"tpu / cpu tokens/s, {name}: {ratio:.2f}x")
-        report(f"serve tokens/s, tpu / cpu, {name}", ratio, "x", "the CPU server (goal: cold >= 0.5x)")
+    for tpu, cpu in (("tpu", "cpu"), ("tpu+cb", "cpu+cb")):
+        for name in ("cold", "warm"):
+            ratio = passes[tpu, name]["tokens/s"] / passes[cpu, name]["tokens/s"]
+            print(f"{tpu} / {cpu} tokens/s, {name}: {ratio:.2f}x")
+            report(f"serve tokens/s, {tpu} / {cpu}, {name}", ratio, "x", f"the {cpu} server (goal: cold >= 0.5x)")
 
 
 if __name__ == "__main__":
