@@ -29,8 +29,14 @@ def tpu_backend(graph_module: Any, example_inputs: list) -> Any:
     return compile_graph(graph_module, example_inputs)
 
 
-def _on_tpu(inputs: list) -> bool:
-    return any(isinstance(value, torch.Tensor) and value.device.type == "tpu" for value in inputs)
+def _on_tpu(model: Any, inputs: list) -> bool:
+    """Whether a Dynamo graph computes on tpu: its tensor inputs are there, or, with none (a graph that makes its
+    tensors, such as ``create_block_mask``'s), its values are."""
+    tensors = [value for value in inputs if isinstance(value, torch.Tensor)]
+    if tensors:
+        return any(value.device.type == "tpu" for value in tensors)
+    values = (node.meta.get("example_value") for node in getattr(getattr(model, "graph", None), "nodes", ()))
+    return any(isinstance(value, torch.Tensor) and value.device.type == "tpu" for value in values)
 
 
 def install() -> None:
@@ -106,7 +112,7 @@ def _install_default_backend() -> None:
     compile_with_inductor = inductor.__call__
 
     def compile_graph(self: Any, model: Any, inputs: list, **kwargs: Any) -> Any:
-        if _on_tpu(inputs):
+        if _on_tpu(model, inputs):
             return tpu_backend(model, inputs)
         return compile_with_inductor(self, model, inputs, **kwargs)
 

@@ -34,7 +34,7 @@ from ..backend.forks import check_not_forked
 from ..backend.positions import is_traced
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
-from . import fast_call, recompiles, row_updates
+from . import fast_call, flex_attention, recompiles, row_updates
 from .graph_random import RANDOM_LOWERINGS
 from .stats import count
 
@@ -321,6 +321,7 @@ class CompiledGraph:
     """
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
+        flex_attention.expand(graph_module)
         row_updates.fold(graph_module)
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._tensor_positions = [i for i, n in enumerate(placeholders) if _is_tensor(n)]

@@ -214,6 +214,7 @@ def sym_size(self, dim):
 
 
 def _cast(value, dtype):
+    value = jnp.asarray(value)  # a number make_fx left in a graph (a wrapped scalar a score_mod multiplies by)
     if jnp.iscomplexobj(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
         value = value.real
     return value.astype(dtype)
@@ -251,6 +252,22 @@ def empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_fo
 @graph_lowering("empty_strided", "empty_permuted")
 def empty_strided(size, stride_or_layout, dtype=None, layout=None, device=None, pin_memory=None):
     return empty(size, dtype)
+
+
+@graph_lowering("new_empty", "new_zeros")
+def new_empty(self, size, dtype=None, layout=None, device=None, pin_memory=None):
+    """``self``'s dtype unless ``dtype`` is given: zeros, as :func:`empty`."""
+    return jnp.zeros(tuple(size), self.dtype if dtype is None else dtypes.to_jax(dtype))
+
+
+@graph_lowering("zeros_like", "empty_like")
+def zeros_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return new_empty(self, self.shape, dtype)
+
+
+@graph_lowering("new_empty_strided")
+def new_empty_strided(self, size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    return new_empty(self, size, dtype)
 
 
 @graph_lowering("scalar_tensor")

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import sharded_loading, when_imported
+from . import sharded_loading, traced_by_dynamo, when_imported
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -270,14 +270,6 @@ def _install_compile_default(modeling_utils: Any) -> None:
     model_class.get_compiled_call = get_compiled_call
 
 
-def _traced_by_dynamo(fn: Callable) -> Callable:
-    """``fn``, which Dynamo traces although it skips hf_tpu's files (``torch._dynamo.dont_skip_tracing``)."""
-    import torch._dynamo
-
-    dont_skip_tracing = getattr(torch._dynamo, "dont_skip_tracing", None)
-    return fn if dont_skip_tracing is None else dont_skip_tracing(fn)
-
-
 def _has_tpu_branch(can_use_grouped_mm: Callable) -> bool:
     """Whether transformers' ``_can_use_grouped_mm`` already accepts tpu weights (5.24 does, first thing)."""
     probe = types.SimpleNamespace(device=torch.device("tpu"), dtype=torch.float32)
@@ -292,7 +284,7 @@ def _install_grouped_mm(moe: Any) -> None:
     if original is None or getattr(original, "__wrapped__", None) is not None or _has_tpu_branch(original):
         return
 
-    @_traced_by_dynamo  # hf_tpu's files are skipped: a skipped call in every experts layer breaks the graph
+    @traced_by_dynamo  # hf_tpu's files are skipped: a skipped call in every experts layer breaks the graph
     @functools.wraps(original)
     def can_use_grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
         if weight.device.type == "tpu":
