@@ -91,6 +91,23 @@ def case_async_all_reduce_returns_a_work():
     _same(device, host)
 
 
+def case_set_timeout_sets_the_groups_timeout():
+    """``torch.distributed.set_timeout`` (which TorchTitan calls; torch 2.13 lacks it, hf_tpu adds it)."""
+    import datetime
+
+    group = dist.distributed_c10d._get_default_group()
+    before = group._timeout
+    dist.set_timeout(datetime.timedelta(seconds=77))
+    try:
+        assert group._timeout == datetime.timedelta(seconds=77)
+        device, host = _both(dist.get_rank(), 3)
+        dist.all_reduce(device)
+        dist.all_reduce(host)
+        _same(device, host)
+    finally:
+        dist.set_timeout(before)
+
+
 def case_all_gather_matches_gloo():
     rank = dist.get_rank()
     device, host = _both(rank, 3, 2)

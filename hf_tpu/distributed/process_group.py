@@ -153,6 +153,12 @@ class TpuProcessGroup(dist.ProcessGroup):
     def name(self) -> str:
         return "tpu_dist"
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The longest a collective of this group (and one of its CPU tensors, through Gloo) is waited for."""
+        super().set_timeout(timeout)
+        self._gloo.set_timeout(timeout)
+        self._timeout = timeout
+
     @property
     def group_name(self) -> str:
         """The name torch registered the group under, which functional collectives and Dynamo pass around

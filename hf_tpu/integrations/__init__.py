@@ -28,6 +28,7 @@ INTEGRATIONS: dict[str, str | tuple[str, ...]] = {
     "safetensors": "safetensors",
     "kernels": "kernels",  # the Hugging Face kernels library (not hf_tpu.kernels)
     "torch.nn.attention.flex_attention": "flex_attention",
+    "torch.distributed": "distributed",
 }
 
 
