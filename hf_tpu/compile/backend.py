@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-from torch._decomp import decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._functorch.aot_autograd import make_boxed_func
 
 from ..backend import runtime
 from . import graph_lowering, recompiles, warm_start
+from .graph_lowering import decompositions
 from .stats import count
-
-
-@functools.cache
-def decompositions() -> dict[Any, Callable]:
-    """torch's decompositions of the ops that have no lowering, as eager mode's fallback uses them."""
-    lowered = graph_lowering.lowered_ops()
-    return {
-        op: fn
-        for op, fn in decomposition_table.items()
-        if isinstance(op, torch._ops.OpOverload) and op not in lowered
-    }
-
 
 _warned: set[str] = set()
 

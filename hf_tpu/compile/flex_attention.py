@@ -39,7 +39,7 @@ def _replace_uses(node: fx.Node, value: Any, graph: fx.Graph) -> None:
         graph.erase_node(user)
 
 
-def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: Any) -> None:
+def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: Any, decompositions: dict) -> None:
     graph = graph_module.graph
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [index for index, leaf in enumerate(leaves) if isinstance(leaf, fx.Node) and leaf.op != "get_attr"]
@@ -55,10 +55,8 @@ def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: An
         return implementation(*args, **kwargs)
 
     fakes = [leaves[index].meta["val"] for index in inputs]
-    from .backend import decompositions
-
     with detect_fake_mode(fakes):
-        traced = make_fx(run, decomposition_table=decompositions())(*fakes)
+        traced = make_fx(run, decomposition_table=decompositions)(*fakes)
     mapping: dict[fx.Node, Any] = {}
     placeholders = iter(leaves[index] for index in inputs)
     with graph.inserting_before(node):
@@ -79,14 +77,15 @@ def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: An
     graph.erase_node(node)
 
 
-def expand(graph_module: fx.GraphModule) -> int:
-    """Expands, in place, each FlexAttention operator of the graph (see the module docstring); returns how many."""
+def expand(graph_module: fx.GraphModule, decompositions: dict) -> int:
+    """Expands, in place, each FlexAttention operator of the graph (see the module docstring) into ATen ops, with
+    ``decompositions`` for those graph mode does not lower; returns how many."""
     implementations = _implementations()
     nodes = [node for node in graph_module.graph.nodes
              if node.op == "call_function" and node.target in implementations]
     for node in nodes:
         try:
-            _expand_node(graph_module, node, implementations[node.target])
+            _expand_node(graph_module, node, implementations[node.target], decompositions)
         except NotImplementedError:
             raise
         except Exception as error:  # tracing torch's implementation failed: the graph runs op by op

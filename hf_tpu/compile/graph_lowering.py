@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import fx
+from torch._decomp import decomposition_table
 from torch._library.fake_class_registry import FakeScriptObject
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -51,6 +52,14 @@ def _eager_lowerings() -> dict[torch._ops.OpOverload, dispatch.Lowering]:
 def lowered_ops() -> frozenset[torch._ops.OpOverload]:
     """The ATen overloads graph mode can lower."""
     return frozenset(GRAPH_LOWERINGS) | frozenset(RANDOM_LOWERINGS) | frozenset(_eager_lowerings())
+
+
+@functools.cache
+def decompositions() -> dict[Any, Callable]:
+    """torch's decompositions of the ops that have no lowering, as eager mode's fallback uses them."""
+    lowered = lowered_ops()
+    return {op: fn for op, fn in decomposition_table.items()
+            if isinstance(op, torch._ops.OpOverload) and op not in lowered}
 
 
 def _frozen(value: Any) -> Any:
@@ -321,7 +330,7 @@ class CompiledGraph:
     """
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
-        flex_attention.expand(graph_module)
+        flex_attention.expand(graph_module, decompositions())
         row_updates.fold(graph_module)
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._tensor_positions = [i for i, n in enumerate(placeholders) if _is_tensor(n)]
