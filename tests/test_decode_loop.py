@@ -177,6 +177,10 @@ def test_a_minimum_length_is_kept_in_the_one_program(models, least):
             expected.tolist()
     assert compile_stats()["decode_loops"] == 2
     assert len(decode_loop._programs[tpu_model]) == 1
+    shorter = prompt[:, 2:]  # another prompt length, the same cache bucket: the same program
+    assert _generate(tpu_model, to_tpu(shorter), mask[:, 2:], eos_token_id=eos, **least).cpu().tolist() == \
+        _generate(cpu_model, shorter, mask[:, 2:], eos_token_id=eos, **least).tolist()
+    assert len(decode_loop._programs[tpu_model]) == 1
 
 
 def _settings(free: torch.Tensor) -> dict[str, dict]:

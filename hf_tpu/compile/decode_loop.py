@@ -445,7 +445,8 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     criteria = decode_processors.as_run([criterion for criterion in criteria
                                          if decode_processors.runs_in_the_loop(criterion)], sequences, max_length)
     if criteria or any(isinstance(processor, decode_processors.LoopProcessor) for processor in processors):
-        tensors[_TOKENS] = torch.nn.functional.pad(sequences, (0, max_length - sequences.shape[1]))
+        # as wide as the cache (bucketed), not as the prompt plus the new tokens: one program for every prompt length
+        tensors[_TOKENS] = torch.nn.functional.pad(sequences, (0, _layers(cache)[0].max_cache_len - sequences.shape[1]))
         tensors[_LENGTH] = torch.tensor(sequences.shape[1], device=sequences.device)
     for kind, forms in (("processor", processors), ("criterion", criteria)):
         for index, form in enumerate(forms):

@@ -35,7 +35,7 @@ def loop_form(*names: str) -> Callable[[type], type]:
 
 class LoopProcessor:
     """A logits processor as the loop runs it: ``form(tokens, scores, length, **inputs)``, the tokens so far
-    ``(batch, max_length)`` with the first ``length`` columns written (a stopping criterion: ``form(tokens,
+    ``(batch, the cache's length)`` with the first ``length`` columns written (a stopping criterion: ``form(tokens,
     length)``). Its public attributes are plain numbers
     and tuples (what the program depends on: :meth:`key`); :attr:`inputs` are tensors of one ``generate`` that the
     step takes as inputs; attributes named with ``_`` are the trace's constants."""
@@ -73,16 +73,17 @@ def _last_columns(tokens: torch.Tensor, length: torch.Tensor, count: int, before
 class MinLength(LoopProcessor):
     """``MinLengthLogitsProcessor`` and ``MinNewTokensLengthLogitsProcessor``: the end-of-sequence tokens' scores
     are -inf while the tokens so far are fewer than ``min_length`` (the prompt's length plus ``min_new_tokens`` for
-    the latter)."""
+    the latter). That length is an input of the step, so that one program serves every prompt's length."""
 
     def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
         skipped = getattr(processor, "prompt_length_to_skip", None)
-        self.min_length = processor.min_length if skipped is None else skipped + processor.min_new_tokens
+        least = processor.min_length if skipped is None else skipped + processor.min_new_tokens
         self.eos_token_ids = _token_ids(processor.eos_token_id)
+        self.inputs = {"least": torch.tensor(least, dtype=torch.int64, device=sequences.device)}
 
-    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        return torch.where(_vocabulary_mask(scores, self.eos_token_ids) & (length < self.min_length), -math.inf,
-                           scores)
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
+                 least: torch.Tensor) -> torch.Tensor:
+        return torch.where(_vocabulary_mask(scores, self.eos_token_ids) & (length < least), -math.inf, scores)
 
 
 @loop_form("RepetitionPenaltyLogitsProcessor")
