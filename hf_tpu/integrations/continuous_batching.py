@@ -52,6 +52,7 @@ import types
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 HOST_CACHE_BYTES = 4 << 30
 """The most a paged cache takes by default on JAX's CPU platform (the host's memory)."""
@@ -68,8 +69,9 @@ def _on_chips() -> bool:
     return runtime.backing_platform() != "cpu"
 
 
-def _install_chip_memory_breakdown(cache: Any) -> None:
-    """A paged cache made for a tpu device sees its chip's memory (``get_device_and_memory_breakdown``)."""
+def _install_tpu_paged_cache(cache: Any) -> None:
+    """A paged cache made for a tpu device sees its chip's memory (``get_device_and_memory_breakdown``) and traces
+    its update into the compiled step (see the module docstring)."""
     breakdown, init = cache.get_device_and_memory_breakdown, cache.PagedAttentionCache.__init__
     if getattr(init, "_hf_tpu", False):
         return
@@ -166,16 +168,6 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
     runner.__init__, runner.maybe_pad_inputs, runner.warmup = __init__, pad_inputs, warm_up_unless_on_tpu
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_to_device(item, device) for item in value]
-    return value
-
-
 def _install_host_staged_inputs(input_outputs: Any) -> None:
     """A tpu model's batch inputs are written on the host and sent to the chip once per step
     (``ContinuousBatchingIOs``; see the module docstring)."""
@@ -200,8 +192,7 @@ def _install_host_staged_inputs(input_outputs: Any) -> None:
         model_kwargs = get_model_kwargs(self, *args, **kwargs)
         if self.model_device is None:
             return model_kwargs
-        return type(model_kwargs)({name: value if name == "cache" else _to_device(value, self.model_device)
-                                   for name, value in model_kwargs.items()})
+        return pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to(self.model_device), model_kwargs)
 
     @functools.wraps(get_cb_kwargs)
     def staged_cb_kwargs(self: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,7 +216,7 @@ def install(cache: Any) -> None:
     and ``input_outputs`` siblings."""
     from . import when_imported
 
-    _install_chip_memory_breakdown(cache)
+    _install_tpu_paged_cache(cache)
     when_imported("transformers.generation.continuous_batching.initialization", _install_default_share)
     when_imported("transformers.generation.continuous_batching.model_runner", _install_compiled_tpu_steps)
     when_imported("transformers.generation.continuous_batching.input_outputs", _install_host_staged_inputs)

@@ -319,14 +319,6 @@ def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
     return max_length, torch.cat(eos) if eos else None, pad
 
 
-def _all_stopped(criteria: list, sequences: torch.Tensor) -> bool:
-    """Whether every row is stopped by one of ``criteria`` (checked between the loop's runs)."""
-    stopped = torch.zeros(sequences.shape[0], dtype=torch.bool, device=sequences.device)
-    for criterion in criteria:
-        stopped |= criterion(sequences, None)
-    return bool(stopped.all())
-
-
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
                            stopping_criteria: Any, generation_config: Any, streamer: Any,
                            model_kwargs: dict) -> Any:
@@ -335,6 +327,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     transformers' loop hands it over, or for criteria checked between runs: ``decode_loop.check_between_runs``);
     falls back to transformers' loop (from the start, on a reset cache) if the
     step cannot be one program."""
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
     from ..compile import decode_loop
 
     limits = _limits(stopping_criteria, generation_config)
@@ -396,7 +390,7 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
             tokens.append(piece)
             for name, output in zip(wanted, outputs):
                 per_step[name].append(output)
-            if between_runs and _all_stopped(between_runs, torch.cat(tokens, dim=-1)):
+            if between_runs and bool(StoppingCriteriaList(between_runs)(torch.cat(tokens, dim=-1), None).all()):
                 break
     if streamer is not None:
         streamer.end()
