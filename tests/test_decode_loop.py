@@ -204,7 +204,8 @@ def _settings(free: torch.Tensor) -> dict[str, dict]:
 @pytest.mark.parametrize("setting", list(_settings(torch.zeros(3, NEW_TOKENS, dtype=torch.long))))
 def test_each_setting_that_reads_the_tokens_so_far_is_kept_in_the_one_program(models, setting):
     """Every generation setting whose state is the tokens so far and their count runs inside the loop: CPU's
-    tokens (which the setting changes); a generate of other prompts and padding reuses the program."""
+    tokens (which the setting changes); a generate of other prompts, padding and prompt length reuses the
+    program."""
     cpu_model, tpu_model = models
     prompt, mask = _padded_batch()
     plain = _generate(cpu_model, prompt, mask)
@@ -217,7 +218,10 @@ def test_each_setting_that_reads_the_tokens_so_far_is_kept_in_the_one_program(mo
         prompt, mask = prompt.flip(0), mask.flip(0)  # the padded row last
         assert _generate(tpu_model, to_tpu(prompt), mask, **options).cpu().tolist() == \
             _generate(cpu_model, prompt, mask, **options).tolist()
-        assert len(decode_loop._programs[tpu_model]) == 1
+    shorter, shorter_mask = prompt[:, 1:], mask[:, 1:]  # another prompt length, the same cache bucket
+    assert _generate(tpu_model, to_tpu(shorter), shorter_mask, **options).cpu().tolist() == \
+        _generate(cpu_model, shorter, shorter_mask, **options).tolist()
+    assert len(decode_loop._programs[tpu_model]) == 1
 
 
 def test_a_stop_string_ends_a_row_inside_the_one_program(tmp_path):

@@ -60,6 +60,11 @@ def _vocabulary_mask(scores: torch.Tensor, tokens: tuple[int, ...]) -> torch.Ten
     return torch.isin(vocabulary, torch.tensor(tokens, device=scores.device))
 
 
+def _length_input(count: int, sequences: torch.Tensor) -> torch.Tensor:
+    """A count of tokens that depends on the prompt's length, as an input of the step (a 0-d int64 tensor)."""
+    return torch.tensor(count, dtype=torch.int64, device=sequences.device)
+
+
 def _last_columns(tokens: torch.Tensor, length: torch.Tensor, count: int, before_start: int | None = None
                   ) -> torch.Tensor:
     """The ``count`` columns of ``tokens`` that end at column ``length`` (exclusive); those before the first column
@@ -79,7 +84,7 @@ class MinLength(LoopProcessor):
         skipped = getattr(processor, "prompt_length_to_skip", None)
         least = processor.min_length if skipped is None else skipped + processor.min_new_tokens
         self.eos_token_ids = _token_ids(processor.eos_token_id)
-        self.inputs = {"least": torch.tensor(least, dtype=torch.int64, device=sequences.device)}
+        self.inputs = {"least": _length_input(least, sequences)}
 
     def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
                  least: torch.Tensor) -> torch.Tensor:
@@ -189,44 +194,54 @@ class ForcedBOS(LoopProcessor):
 
 @loop_form("ForcedEOSTokenLogitsProcessor")
 class ForcedEOS(LoopProcessor):
-    """``ForcedEOSTokenLogitsProcessor``: the last token is an end-of-sequence token."""
+    """``ForcedEOSTokenLogitsProcessor``: the last token is an end-of-sequence token. The maximum length (the
+    prompt's length plus ``max_new_tokens``) is an input of the step, so that one program serves every prompt's
+    length."""
 
     def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
-        self.max_length, self.eos_token_ids = processor.max_length, _token_ids(processor.eos_token_id)
+        self.eos_token_ids = _token_ids(processor.eos_token_id)
+        self.inputs = {"longest": _length_input(processor.max_length, sequences)}
 
-    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        return torch.where(length == self.max_length - 1, _forced(scores, self.eos_token_ids), scores)
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
+                 longest: torch.Tensor) -> torch.Tensor:
+        return torch.where(length == longest - 1, _forced(scores, self.eos_token_ids), scores)
 
 
 @loop_form("SuppressTokensAtBeginLogitsProcessor")
 class SuppressTokensAtBegin(LoopProcessor):
-    """``SuppressTokensAtBeginLogitsProcessor``: the first token generated is none of the suppressed ones."""
+    """``SuppressTokensAtBeginLogitsProcessor``: the first token generated is none of the suppressed ones. Where
+    generation begins (the prompt's length) is an input of the step, so that one program serves every prompt's
+    length."""
 
     def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
-        self.tokens, self.begin_index = _token_ids(processor.begin_suppress_tokens), processor.begin_index
+        self.tokens = _token_ids(processor.begin_suppress_tokens)
+        self.inputs = {"begin": _length_input(processor.begin_index, sequences)}
 
-    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-        return torch.where(_vocabulary_mask(scores, self.tokens) & (length == self.begin_index), -float("inf"),
-                           scores)
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
+                 begin: torch.Tensor) -> torch.Tensor:
+        return torch.where(_vocabulary_mask(scores, self.tokens) & (length == begin), -float("inf"), scores)
 
 
 @loop_form("ExponentialDecayLengthPenalty")
 class ExponentialDecayLength(LoopProcessor):
     """``ExponentialDecayLengthPenalty``: past a start, the end-of-sequence tokens' scores grow by a factor to the
-    power of the tokens past it. The power is taken in float64, as Python takes transformers'."""
+    power of the tokens past it. The power is taken in float64, as Python takes transformers'. The start (counted
+    from the prompt's end) is an input of the step, so that one program serves every prompt's length."""
 
     def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
-        self.start, self.factor = processor.regulation_start, float(processor.regulation_factor)
+        self.factor = float(processor.regulation_factor)
         self.eos_token_ids = _token_ids(processor.eos_token_id)
+        self.inputs = {"start": _length_input(processor.regulation_start, sequences)}
 
-    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
+                 start: torch.Tensor) -> torch.Tensor:
         eos = list(self.eos_token_ids)
-        growth = torch.tensor(self.factor, dtype=torch.float64, device=scores.device) ** (length - self.start) - 1
+        growth = torch.tensor(self.factor, dtype=torch.float64, device=scores.device) ** (length - start) - 1
         penalty = torch.abs(scores[:, eos]) * growth.to(scores.dtype)
         penalty = penalty.masked_fill(~torch.isfinite(scores[:, eos]), 0.0)
         penalties = torch.zeros_like(scores)
         penalties[:, eos] = penalty
-        return torch.where(length > self.start, scores + penalties, scores)
+        return torch.where(length > start, scores + penalties, scores)
 
 
 @loop_form("SuppressTokensLogitsProcessor")
