@@ -356,17 +356,19 @@ _LIBTPU_SPLIT = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCE
 
 
 def _split_on_a_tpu_host(monkeypatch, chips: int, local_world: int, world: int, rank: int, **environment: str):
-    """What ``_split_tpu_chips`` sets for ``rank`` on a host of ``chips`` TPU chips (the other ranks' ports in the
-    store already), every libtpu variable put back afterwards."""
+    """What ``_split_tpu_chips`` sets for ``rank`` on a host of ``chips`` TPU chips (the other ranks' addresses in
+    the store already: on one host localhost, else host<n> for the host of rank n), every libtpu variable put back
+    afterwards."""
     for name in _LIBTPU_SPLIT:
         monkeypatch.delenv(name, raising=False)
-    for name, value in {"LOCAL_WORLD_SIZE": str(local_world), **environment}.items():
+    for name, value in {"LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": "127.0.0.1", **environment}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(runtime, "tpu_chips", lambda: chips)
     store = dist.HashStore()
     for peer in range(world):
         if peer != rank:
-            store.set(f"hf_tpu_libtpu_port/{peer}", str(9000 + peer))
+            host = "localhost" if local_world == world else f"host{peer // local_world}"
+            store.set(f"hf_tpu_libtpu_address/{peer}", f"{host}:{9000 + peer}")
     distributed_runtime._split_tpu_chips(store, rank, world, rank % local_world)
     return {name: os.environ[name] for name in _LIBTPU_SPLIT if name in os.environ}
 
@@ -377,7 +379,20 @@ def test_each_process_on_a_tpu_host_is_given_its_own_chip(monkeypatch):
     assert split == {"TPU_VISIBLE_CHIPS": "2", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "2,2,1",
                      "TPU_PROCESS_ADDRESSES": f"localhost:9000,localhost:9001,localhost:{port},localhost:9003",
                      "CLOUD_TPU_TASK_ID": "2", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-    assert distributed_runtime.tpu_chip_split(0, [1, 2, 3, 4, 5, 6, 7, 8], 8)["TPU_PROCESS_BOUNDS"] == "4,2,1"
+    one_host = [f"localhost:{port}" for port in range(8)]
+    assert distributed_runtime.tpu_chip_split(0, 0, one_host, 8)["TPU_PROCESS_BOUNDS"] == "4,2,1"
+
+
+def test_one_process_per_chip_across_hosts_on_the_launchers_process_grid(monkeypatch):
+    """Two hosts of 4 chips (a 2x2x2 slice), 8 processes: the launcher gives the grid, hf_tpu the rest."""
+    split = _split_on_a_tpu_host(monkeypatch, chips=4, local_world=4, world=8, rank=6, TPU_PROCESS_BOUNDS="2,2,2")
+    address = split["TPU_PROCESS_ADDRESSES"].split(",")[6]
+    assert address.rpartition(":")[0] == "127.0.0.1"  # this process's address towards the rendezvous host
+    assert split == {"TPU_VISIBLE_CHIPS": "2", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1", "TPU_PROCESS_BOUNDS": "2,2,2",
+                     "TPU_PROCESS_ADDRESSES": ",".join([*(f"host{rank // 4}:{9000 + rank}" for rank in range(6)),
+                                                        address, "host1:9007"]),
+                     "TPU_PROCESS_PORT": address.rpartition(":")[2], "CLOUD_TPU_TASK_ID": "6",
+                     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def test_no_chip_split_on_cpu_hosts_one_process_per_host_or_the_users_own(monkeypatch):
@@ -397,11 +412,16 @@ def test_no_chip_split_on_cpu_hosts_one_process_per_host_or_the_users_own(monkey
 @pytest.mark.parametrize("chips, local_world, world, message", [
     (4, 2, 2, r"2 processes on a TPU host with 4 chips; .*one process per chip \(`hf-tpu launch script.py`\)"),
     (2, 2, 2, r"2 processes on a TPU host with 2 chips; hf_tpu gives each process one chip of a host with 1, 4, 8"),
-    (4, 4, 8, r"4 processes on each of several TPU hosts; .*--nproc-per-node 1"),
+    (4, 4, 8, r"4 processes on each of several TPU hosts of 4 chips; .*TPU_PROCESS_BOUNDS=x,y,z.*--nproc-per-node 1"),
 ])
 def test_a_chip_split_hf_tpu_cannot_make_says_what_to_run(monkeypatch, chips, local_world, world, message):
     with pytest.raises(RuntimeError, match=message):
         _split_on_a_tpu_host(monkeypatch, chips=chips, local_world=local_world, world=world, rank=0)
+
+
+def test_a_process_grid_that_is_not_one_process_per_chip_is_refused(monkeypatch):
+    with pytest.raises(RuntimeError, match=r"TPU_PROCESS_BOUNDS='2,2,1' must be libtpu's grid of the 8 processes"):
+        _split_on_a_tpu_host(monkeypatch, chips=4, local_world=4, world=8, rank=0, TPU_PROCESS_BOUNDS="2,2,1")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""The collectives as JAX programs over a group's mesh (one device per process, axis ``ranks``).
+"""The collectives as JAX programs over a group's mesh: axis ``ranks`` (one entry per process), then the axes of
+the chips each process's array is on (none for an array on one chip; a process x local chip mesh for an array
+sharded over several of a process's chips, ``hf_tpu.distribute``).
 
 Each process passes its own local array; :func:`run` makes it its block of a global array and
-runs one jitted ``shard_map`` program in which the body sees this rank's block. Every rank gets back its
-own result (an array on its own device). On TPUs the collective runs over ICI; on CPU hosts over JAX's
-gloo CPU collectives.
+runs one jitted ``shard_map`` program in which the body sees this rank's block (on each of its chips, the block
+of that chip's shard: chip k of every process holds the same part, so the ranks' parts meet chip by chip).
+Every rank gets back its own result, on its own chips and split over them as its input was. On TPUs the
+collective runs over ICI; on CPU hosts over JAX's gloo CPU collectives.
 """
 
 from __future__ import annotations
@@ -103,24 +106,54 @@ KINDS: dict[str, Callable[..., Any]] = {
 }
 
 
+ROW_KINDS = frozenset({"reduce_scatter", "scatter", "all_to_all"})
+"""The collectives that split or exchange dim 0 of their input: it must be whole on each chip."""
+
+
 @functools.cache
-def _program(kind: str, mesh: Mesh, static: Any) -> Callable[[Any], Any]:
+def _program(kind: str, mesh: Mesh, spec: PartitionSpec, static: Any) -> Callable[[Any], Any]:
     body = KINDS[kind]
-    blocks = PartitionSpec(AXIS)
+    blocks = PartitionSpec(AXIS, *spec)
+    gathered = PartitionSpec(AXIS, None, *spec)  # all_gather's (ranks, *x) per rank
 
     def per_rank(block: Any) -> Any:
         args = () if static is None else (static,)
         return body(block[0], *args)[None]
 
-    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=blocks, out_specs=blocks))
+    out_specs = gathered if kind == "all_gather" else blocks
+    return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=blocks, out_specs=out_specs))
 
 
-def run(kind: str, mesh: Mesh, local: Any, static: Any = None) -> Any:
-    """Runs collective ``kind`` (a name in :data:`KINDS`) with this process's ``local`` array (on its device in
-    ``mesh``) and ``static`` (the op name or root rank, or None); returns this rank's result array."""
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-    size = mesh.devices.size
-    block = jnp.expand_dims(local, 0)
-    whole = jax.make_array_from_single_device_arrays((size, *local.shape), sharding, [block])
-    result = _program(kind, mesh, static)(whole)
-    return result.addressable_shards[0].data[0]
+def local_layout(local: Any, kind: str) -> tuple[Any, Mesh, PartitionSpec]:
+    """``local``, the mesh of this process's chips it is on and how it is split over them (one chip: a one-chip
+    mesh, whole). Dim 0 is made whole on each chip for the collectives that split or exchange it; a layout of
+    XLA's own that is not a mesh's is made a whole copy per chip."""
+    sharding = local.sharding
+    if isinstance(sharding, NamedSharding):
+        chips, spec = sharding.mesh, sharding.spec
+    else:
+        chips, spec = Mesh(np.array(sharding._device_assignment), ("chips",)), PartitionSpec()
+        if not sharding.is_fully_replicated:
+            local = jax.device_put(local, NamedSharding(chips, spec))
+    if kind in ROW_KINDS and spec and spec[0] is not None:
+        spec = PartitionSpec(None, *spec[1:])
+        local = jax.device_put(local, NamedSharding(chips, spec))
+    return local, chips, spec
+
+
+def run(kind: str, group_mesh: Callable[[Mesh], Mesh], local: Any, static: Any = None) -> Any:
+    """Runs collective ``kind`` (a name in :data:`KINDS`) with this process's ``local`` array and ``static`` (the op
+    name or root rank, or None). ``group_mesh`` gives, for the mesh of this process's chips ``local`` is on
+    (:func:`local_layout`), the group's mesh: axis :data:`AXIS` over its processes, then those chips' axes. Returns
+    this rank's result array, on ``local``'s chips, split over them as ``local`` is."""
+    local, chips, spec = local_layout(local, kind)
+    mesh = group_mesh(chips)
+    blocks = [jnp.expand_dims(shard.data, 0) for shard in local.addressable_shards]
+    whole = jax.make_array_from_single_device_arrays(
+        (mesh.devices.shape[0], *local.shape), NamedSharding(mesh, PartitionSpec(AXIS, *spec)), blocks)
+    result = _program(kind, mesh, spec, static)(whole)
+    if chips.devices.size == 1:
+        return result.addressable_shards[0].data[0]
+    mine = NamedSharding(chips, PartitionSpec(*result.sharding.spec[1:]))
+    return jax.make_array_from_single_device_arrays(result.shape[1:], mine,
+                                                    [shard.data[0] for shard in result.addressable_shards])

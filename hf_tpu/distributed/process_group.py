@@ -122,20 +122,7 @@ def _device_type(tensors: Sequence[torch.Tensor], what: str) -> str:
     if kinds == ["tpu"] and len({t.device.index for t in tensors}) != 1:
         raise ValueError(f"tpu_dist: {what} got tensors on several chips ({sorted({str(t.device) for t in tensors})})"
                          "; each process runs a collective on one of its chips: move them to one.")
-    if kinds == ["tpu"]:
-        _check_one_chip_each(tensors, what)
     return kinds[0]
-
-
-def _check_one_chip_each(tensors: Sequence[torch.Tensor], what: str) -> None:
-    """Refuses tpu tensors sharded over several of this process's chips (``hf_tpu.distribute``)."""
-    for tensor in tensors:
-        chips = storage.placement(storage.buffer_of(tensor))
-        if len(chips) > 1:
-            raise ValueError(f"tpu_dist: {what} got a tensor sharded over this process's chips "
-                             f"{', '.join(f'tpu:{chip}' for chip in chips)}; a collective across processes takes a "
-                             "tensor on one chip per process: gather it onto one first with "
-                             f"hf_tpu.distribute(tensor, ['{tensor.device}']).")
 
 
 class TpuProcessGroup(dist.ProcessGroup):
@@ -166,11 +153,15 @@ class TpuProcessGroup(dist.ProcessGroup):
         return dist.distributed_c10d._get_process_group_name(self)
 
     @functools.cache
-    def _mesh(self, index: int) -> Any:
+    def _mesh(self, chips: Any) -> Any:
+        """The mesh of a collective on tensors on this process's ``chips`` (a mesh of them): those chips of every
+        process of the group, axis ``ranks`` first (the group's rank order), then ``chips``' own axes."""
         from jax.sharding import Mesh
 
-        chips = [runtime.process_devices(rank)[index] for rank in self._ranks]
-        return Mesh(np.array(chips), (collectives.AXIS,))
+        local = [storage.chip_index(device) for device in chips.devices.flat]
+        every = [[runtime.process_devices(rank)[chip] for chip in local] for rank in self._ranks]
+        grid = np.array(every, dtype=object).reshape(len(self._ranks), *chips.devices.shape)
+        return Mesh(grid, (collectives.AXIS, *chips.axis_names))
 
     def _issue(self, what: str, kind: str, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                static: Any = None, prepare: Callable[[Any], Any] | None = None,
@@ -179,11 +170,10 @@ class TpuProcessGroup(dist.ProcessGroup):
         turned into several by ``finish``) go into ``outputs`` when the Work is waited for."""
         import jax
 
-        mesh = self._mesh(tensors[0].device.index)
         arrays = [storage.read(t.detach()) for t in tensors]
 
         def compute() -> list[Any]:
-            results = [collectives.run(kind, mesh, prepare(a) if prepare else a, static) for a in arrays]
+            results = [collectives.run(kind, self._mesh, prepare(a) if prepare else a, static) for a in arrays]
             if finish is not None:
                 results = [piece for result in results for piece in finish(result)]
             return jax.block_until_ready(results)

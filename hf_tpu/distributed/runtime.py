@@ -10,6 +10,7 @@ host running several processes, each first tells libtpu which chip is its own (:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from typing import Any
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from ..backend import runtime
 
 _COORDINATOR_KEY = "hf_tpu_jax_coordinator"
-_TPU_PORT_KEY = "hf_tpu_libtpu_port"
+_TPU_ADDRESS_KEY = "hf_tpu_libtpu_address"
 _PROCESS_BOUNDS = {1: "1,1,1", 4: "2,2,1", 8: "4,2,1"}
 """libtpu's grid of the processes of one host, one chip each, by the host's chip count: what JAX's own
 multi-process test launcher passes (jax/_src/test_multiprocess.py; its 8-chip grid is v6e's 2x4)."""
@@ -61,42 +62,65 @@ def _local_device_ids(local_rank: int) -> list[int] | None:
     return None if runtime.requested_platform() == "cpu" else [local_rank]
 
 
-def tpu_chip_split(local_rank: int, ports: list[int], chips: int) -> dict[str, str]:
-    """libtpu's variables giving process ``local_rank`` of a TPU host's ``len(ports)`` processes (``ports``: each
-    one's free port, by local rank) its own one of the host's ``chips``, as JAX's multi-process launcher sets them."""
-    bounds = _PROCESS_BOUNDS.get(len(ports))
-    if len(ports) != chips or bounds is None:
-        raise RuntimeError(f"tpu_dist: {len(ports)} processes on a TPU host with {chips} chips; hf_tpu gives each "
-                           f"process one chip of a host with {', '.join(map(str, _PROCESS_BOUNDS))} chips: run one "
-                           "process per chip (`hf-tpu launch script.py`), or one process driving all of them "
-                           "(`hf-tpu launch --nproc-per-node 1 script.py`), or set libtpu's TPU_VISIBLE_CHIPS, "
-                           "TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES and "
-                           "TPU_PROCESS_PORT in each process yourself.")
+def tpu_chip_split(rank: int, local_rank: int, addresses: list[str], chips: int,
+                   bounds: str | None = None) -> dict[str, str]:
+    """libtpu's variables giving process ``rank`` (``local_rank`` on its host) of ``len(addresses)`` processes
+    (each one's ``host:port``, by rank), one per chip of hosts with ``chips`` chips, its own chip, as JAX's
+    multi-process launcher sets them. ``bounds``: libtpu's process grid (``TPU_PROCESS_BOUNDS``, ``x,y,z``), which
+    the launcher gives for several hosts; one host's is known."""
+    if bounds is None:
+        bounds = _PROCESS_BOUNDS.get(len(addresses))
+        if len(addresses) != chips or bounds is None:
+            raise RuntimeError(f"tpu_dist: {len(addresses)} processes on a TPU host with {chips} chips; hf_tpu gives "
+                               f"each process one chip of a host with {', '.join(map(str, _PROCESS_BOUNDS))} chips: "
+                               "run one process per chip (`hf-tpu launch script.py`), or one process driving all of "
+                               "them (`hf-tpu launch --nproc-per-node 1 script.py`), or set libtpu's "
+                               "TPU_VISIBLE_CHIPS, TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_BOUNDS, "
+                               "TPU_PROCESS_ADDRESSES and TPU_PROCESS_PORT in each process yourself.")
+    grid = bounds.split(",")
+    if len(grid) != 3 or not all(n.isdigit() for n in grid) or math.prod(map(int, grid)) != len(addresses):
+        raise RuntimeError(f"tpu_dist: TPU_PROCESS_BOUNDS={bounds!r} must be libtpu's grid of the {len(addresses)} "
+                           "processes, one per chip: three counts x,y,z whose product is the number of processes "
+                           "(e.g. 2,2,2 for 8 processes on two hosts of 4 chips of a 2x2x2 slice).")
     return {"TPU_VISIBLE_CHIPS": str(local_rank), "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
-            "TPU_PROCESS_BOUNDS": bounds, "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{port}" for port in ports),
-            "TPU_PROCESS_PORT": str(ports[local_rank]), "CLOUD_TPU_TASK_ID": str(local_rank),
+            "TPU_PROCESS_BOUNDS": bounds, "TPU_PROCESS_ADDRESSES": ",".join(addresses),
+            "TPU_PROCESS_PORT": addresses[rank].rpartition(":")[2], "CLOUD_TPU_TASK_ID": str(rank),
             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+
+def _address_towards(host: str) -> str:
+    """This host's address on the network that reaches ``host`` (the rendezvous host; no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.getfqdn()
 
 
 def _split_tpu_chips(store: dist.Store, rank: int, world_size: int, local_rank: int) -> None:
     """On a TPU host running several processes, tells libtpu which chip is each one's (before JAX starts; every
     torchrun worker has the same environment, and libtpu would open every chip in each). A split set by the user
-    (``TPU_VISIBLE_CHIPS``) is kept."""
+    (``TPU_VISIBLE_CHIPS``) is kept. Across several hosts, each process's address is the one that reaches the
+    rendezvous host, and the process grid is the launcher's ``TPU_PROCESS_BOUNDS``."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if local_world == 1 or "TPU_VISIBLE_CHIPS" in os.environ:
         return
     chips = runtime.tpu_chips()
     if not chips:
         return
-    if local_world != world_size:
-        raise RuntimeError(f"tpu_dist: {local_world} processes on each of several TPU hosts; hf_tpu splits one "
-                           "host's chips between its processes, but not a pod slice's: run one process per host "
-                           "(`hf-tpu launch --nproc-per-node 1 ...`), which drives all of its chips, or set libtpu's "
-                           "TPU_VISIBLE_CHIPS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES (every process's host:port) "
-                           "and TPU_PROCESS_PORT in each process yourself.")
-    store.set(f"{_TPU_PORT_KEY}/{rank}", str(_free_port()))
-    ports = [int(store.get(f"{_TPU_PORT_KEY}/{peer}")) for peer in range(world_size)]
-    os.environ.update(tpu_chip_split(local_rank, ports, chips))
+    bounds = os.environ.get("TPU_PROCESS_BOUNDS")
+    one_host = local_world == world_size
+    if not one_host and (bounds is None or local_world != chips):
+        raise RuntimeError(f"tpu_dist: {local_world} processes on each of several TPU hosts of {chips} chips; one "
+                           "process per chip across hosts needs libtpu's process grid: set TPU_PROCESS_BOUNDS=x,y,z "
+                           "(processes along each axis of the slice) in every process and hf_tpu sets the rest, with "
+                           "--nproc-per-node the hosts' chip count; or run one process per host "
+                           "(`hf-tpu launch --nproc-per-node 1 ...`), which drives all of its chips.")
+    host = "localhost" if one_host else _address_towards(os.environ["MASTER_ADDR"])
+    store.set(f"{_TPU_ADDRESS_KEY}/{rank}", f"{host}:{_free_port()}")
+    addresses = [store.get(f"{_TPU_ADDRESS_KEY}/{peer}").decode() for peer in range(world_size)]
+    os.environ.update(tpu_chip_split(rank, local_rank, addresses, chips, bounds))
 
 
 def start(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
