@@ -1,0 +1,38 @@
+"""TorchTitan 0.3.0 (PyTorch's reference pre-training trainer, from PyPI, unpatched) trains its stock Llama 3 debug
+model on tpu: FlexAttention, selective activation checkpointing, ``torch.compile`` with no eager fallback
+(``HF_TPU_STRICT_COMPILE=1``), FSDP2 over two ``tpu_dist`` processes, distributed checkpoints saved and resumed.
+The losses of every run equal one process's (within float32 tolerance of the order of reductions), and a run
+resumed from its checkpoint continues the same curve. Runs are launched by tests/torchtitan_runs.py, on assets
+(tokenizer, dataset, seed checkpoint) the test makes itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtitan_runs import assets, options, seed_checkpoint, train
+
+STEPS, SEQ_LEN, TOLERANCE = 4, 64, 1e-3
+LAUNCH_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("torchtitan")
+    assets(folder, SEQ_LEN)
+    seed_checkpoint(folder, options(STEPS, SEQ_LEN, checkpoint_interval=2), timeout=LAUNCH_TIMEOUT_S)
+    return folder
+
+
+def _losses(steps: dict) -> dict[int, float]:
+    return {step: values[0] for step, values in steps.items()}
+
+
+def test_one_compiled_process_and_two_fsdp2_processes_resumed_from_a_checkpoint_give_one_curve(folder):
+    one = _losses(train(folder, "one", 1, 2, ("--compile.enable",), options(STEPS, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
+    assert list(one) == list(range(1, STEPS + 1)), one
+    assert one[STEPS] < one[1] - 1, one  # it learns
+    first = _losses(train(folder, "fsdp2", 2, 1, (), options(2, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
+    resumed = _losses(train(folder, "fsdp2", 2, 1, (), options(STEPS, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
+    assert list(first) == [1, 2] and list(resumed) == [3, 4], (first, resumed)  # step 2's checkpoint, then 3 and 4
+    assert {**first, **resumed} == pytest.approx(one, abs=TOLERANCE)
