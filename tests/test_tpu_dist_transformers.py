@@ -94,7 +94,10 @@ def _check(name: str, build, **distributed) -> dict:
         assert torch.equal(tokens.cpu(), expected), (cache, tokens, expected)
     stats = compile_stats()  # the static cache's decode steps: compiled, collectives inside, no fallback
     assert stats["calls"] >= GREEDY["max_new_tokens"] - 1 and stats["fallbacks"] == 0, stats
-    return {"rank_bytes": mine, "model_bytes": whole, "split_fraction": split_whole / whole}
+    experts = {key: p for key, p in parameters.items() if ".experts." in key}
+    return {"rank_bytes": mine, "model_bytes": whole, "split_fraction": split_whole / whole,
+            "rank_expert_bytes": sum(_local_bytes(p) for p in experts.values()),
+            "expert_bytes": sum(p.numel() * p.element_size() for p in experts.values())}
 
 
 def case_llama():
@@ -149,6 +152,17 @@ def test_each_rank_holds_its_share_of_the_weights(reports, four_reports):
             expected = value["model_bytes"] * (1 - value["split_fraction"] * (1 - 1 / world))
             assert value["rank_bytes"] == pytest.approx(expected, rel=1e-6), (world, rank, value)
             assert value["split_fraction"] > 0.5, value
+
+
+def test_expert_parallelism_gives_each_rank_its_share_of_the_experts(reports, four_reports):
+    """Qwen3-MoE with ep_size=N: each rank holds 1/N of the experts' bytes (N of its experts), and of the whole
+    model what the split weights leave whole (attention and norms split by tensor parallelism, or replicated)."""
+    for world, launch in ((2, reports), (4, four_reports)):
+        for rank in range(world):
+            value = launch[rank]["case_qwen3_moe_expert_parallel:value"]
+            assert value["expert_bytes"] > 0.5 * value["model_bytes"], value
+            assert value["rank_expert_bytes"] == value["expert_bytes"] // world, (world, rank, value)
+            assert value["rank_bytes"] < value["model_bytes"] * (1 / world + 0.25), (world, rank, value)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,36 @@ def case_collectives_on_tensors_split_over_each_process_chips():
                                                                for every in _every(4, 6)]))
 
 
+def case_a_compiled_graph_with_collectives_on_tensors_split_over_chips():
+    """One XLA program per process: a tensor-parallel matmul over the process's chips (XLA's partitioner), then
+    collectives across the processes (the graph's shard_map is manual over the processes only)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from hf_tpu.compile import compile_stats, reset_compile_stats
+
+    rank = dist.get_rank()
+
+    @torch.compile(backend="tpu", fullgraph=True)
+    def step(x, w, scale):
+        y = funcol.all_reduce(x @ w * scale, "sum", dist.group.WORLD)
+        return y.relu(), funcol.all_gather_tensor(y.sum(0), 0, dist.group.WORLD), y.sum()
+
+    weight = _values(0, 6, 8) / 10
+    reset_compile_stats()
+    for spec in (("chips", None), None):
+        x = _split(_values(rank, 4, 6), spec)
+        w = _split(weight, (None, "chips"))
+        scale = torch.tensor(0.5, device="tpu")  # on one chip: copied onto the mesh for the call
+        relu, gathered, total = step(x, w, scale)
+        summed = sum(every @ weight for every in _every(4, 6)) * 0.5
+        for result in (relu, gathered, total):
+            assert hf_tpu.placement(result) == BOTH_CHIPS, hf_tpu.placement(result)
+        torch.testing.assert_close(relu.cpu(), summed.relu())
+        torch.testing.assert_close(gathered.cpu(), torch.cat([summed.sum(0)] * WORLD))
+        torch.testing.assert_close(total.cpu(), summed.sum())
+    assert compile_stats()["fallbacks"] == 0, compile_stats()
+
+
 def case_dtensor_over_the_processes_of_tensors_split_over_chips():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

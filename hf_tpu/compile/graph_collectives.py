@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import itertools
+import math
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -239,21 +241,54 @@ def _lift(value: Any) -> Any:
     return value.reshape(1) if value.ndim == 0 else value
 
 
-def _block(mesh: Mesh, local: Any) -> Any:
-    """This rank's ``local`` array (on its chip) as its block, along dim 0, of a global array over ``mesh``."""
+def _chips(arrays: list) -> Mesh | None:
+    """The mesh of this process's chips the inputs are split or copied over (all of them are on it, as
+    graph_lowering's ``_on_one_mesh`` puts them), or ``None`` for inputs on one chip."""
+    sharding = next((a.sharding for a in arrays if storage.is_spread(a)), None)
+    if sharding is None:
+        return None
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh
+    return Mesh(np.array(sharding._device_assignment), ("chips",))
+
+
+def _block(mesh: Mesh, grid: Grid, local: Any) -> Any:
+    """This rank's ``local`` array as its block, along dim 0, of a global array over ``mesh``: the grid's axes,
+    then (for an array split or copied over this process's chips) those chips' axes, over which the global array
+    is split as ``local`` is (dim 0 within each rank's block)."""
     local = _lift(local)
-    shape = (mesh.devices.size * local.shape[0], *local.shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, _blocked(mesh)), [local])
+    shape = (math.prod(grid.shape) * local.shape[0], *local.shape[1:])
+    spec = PartitionSpec(grid.names)
+    if mesh.axis_names != grid.names:
+        split = local.sharding.spec if isinstance(local.sharding, NamedSharding) else PartitionSpec()
+        head = split[0] if split else None
+        rest = tuple(split[1:])
+        spec = PartitionSpec((*grid.names, *((head,) if isinstance(head, str) else head or ())), *rest)
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, spec),
+                                                    [shard.data for shard in local.addressable_shards])
 
 
-def _blocked(mesh: Mesh) -> PartitionSpec:
-    """Dim 0 split over all of ``mesh``'s axes: block i is the i-th rank of the grid's."""
-    return PartitionSpec(mesh.axis_names)
+def _blocked(grid: Grid) -> PartitionSpec:
+    """Dim 0 split over all of the grid's axes: block i is the i-th rank of the grid's."""
+    return PartitionSpec(grid.names)
 
 
-def _local(value: Any, scalar: bool) -> Any:
-    """This rank's block of a global result."""
-    block = value.addressable_shards[0].data
+def _local(value: Any, scalar: bool, mesh: Mesh, grid: Grid, chips: Mesh | None) -> Any:
+    """This rank's block of a global result over ``mesh``: on its chip, or split over its ``chips`` as the program
+    left it."""
+    if chips is None:
+        block = value.addressable_shards[0].data
+        return block.reshape(()) if scalar else block
+    spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else None
+    head = () if not spec or spec[0] is None else (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    if spec is None or head[:len(grid.names)] != grid.names:  # not blocked rank-major: each chip a whole block
+        value = jax.device_put(value, NamedSharding(mesh, _blocked(grid)))
+        spec, head = _blocked(grid), grid.names
+    inner = head[len(grid.names):]
+    mine = PartitionSpec(inner or None, *spec[1:])
+    shape = (value.shape[0] // math.prod(grid.shape), *value.shape[1:])
+    block = jax.make_array_from_single_device_arrays(shape, NamedSharding(chips, mine),
+                                                     [shard.data for shard in value.addressable_shards])
     return block.reshape(()) if scalar else block
 
 
@@ -271,7 +306,7 @@ class CollectiveGraph(CompiledGraph):
         self._grid = grid((group._ranks for group in groups.values()), dist.get_rank(), dist.get_world_size())
         self._axes = {name: self._grid.axes[group._ranks] for name, group in groups.items()}
         self._timeout = max(group._timeout for group in groups.values())
-        self._meshes: dict[int, Mesh] = {}
+        self._meshes: dict[int | Mesh, Mesh] = {}
         super().__init__(graph_module)
         self._scalar_outputs = [_is_scalar(node) for node in self._tensor_outputs]
         self._scalar_written = [_is_scalar(node) for node in self._mutation_nodes]
@@ -283,36 +318,38 @@ class CollectiveGraph(CompiledGraph):
     def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:
         """The base class's executable for the global arrays of these blocks, wrapped to take and return local
         arrays, run on the collectives' thread and waited for with the group's timeout."""
-        if any(storage.is_spread(a) for a in arrays):
-            raise ValueError("tpu_dist: a compiled graph with collectives takes tensors on one chip per process; "
-                             "gather a tensor sharded over this process's chips onto one first.")
-        chip = storage.chip_index(next(iter(arrays[0].devices()))) if arrays else 0
-        mesh = self._mesh(chip)
+        chips = _chips(arrays)
+        where = chips if chips is not None else storage.chip_index(next(iter(arrays[0].devices()))) if arrays else 0
+        mesh = self._mesh(where)
         shapes = tuple(a.shape for a in arrays)
-        blocks = [_block(mesh, a) for a in arrays]
-        executable, sizes = super()._executable(donated, (static_values, shapes, chip), _block_or_none(mesh, rng),
-                                                blocks)
-        return self._run_in_order(executable, mesh), sizes
+        blocks = [_block(mesh, self._grid, a) for a in arrays]
+        executable, sizes = super()._executable(donated, (static_values, shapes, where),
+                                                _block_or_none(mesh, self._grid, rng), blocks)
+        return self._run_in_order(executable, mesh, chips), sizes
 
-    def _run_in_order(self, executable: Callable, mesh: Mesh) -> Callable:
+    def _run_in_order(self, executable: Callable, mesh: Mesh, chips: Mesh | None) -> Callable:
         """``executable`` as a function of local arrays, run after the collectives issued before it (on the
         collectives' thread, see :class:`~hf_tpu.distributed.process_group.TpuProcessGroup`)."""
+        grid = self._grid
 
         def run(rng: Any, *arrays: Any) -> tuple:
-            blocks = [_block(mesh, a) for a in arrays]
-            rng = _block_or_none(mesh, rng)
+            blocks = [_block(mesh, grid, a) for a in arrays]
+            rng = _block_or_none(mesh, grid, rng)
             future = process_group._in_order().submit(lambda: jax.block_until_ready(executable(rng, *blocks)))
-            process_group.TpuWork(future, [], self._timeout, f"compiled {self.name}", self._grid.ranks).wait()
+            process_group.TpuWork(future, [], self._timeout, f"compiled {self.name}", grid.ranks).wait()
             outputs, written, check = future.result()
-            return ([_local(v, s) for v, s in zip(outputs, self._scalar_outputs)],
-                    [_local(v, s) for v, s in zip(written, self._scalar_written)],
-                    None if check is None else _local(check, False))
+            local = functools.partial(_local, mesh=mesh, grid=grid, chips=chips)
+            return ([local(v, s) for v, s in zip(outputs, self._scalar_outputs)],
+                    [local(v, s) for v, s in zip(written, self._scalar_written)],
+                    None if check is None else local(check, False))
 
         return run
 
     def _trace(self, static: tuple, rng: Any, *blocks: Any) -> tuple[tuple, tuple, Any]:
-        """The graph over the global arrays: the base class's trace of the local blocks, inside a shard_map."""
-        static_values, shapes, chip = static
+        """The graph over the global arrays: the base class's trace of the local blocks, inside a shard_map that
+        is manual over the grid's axes (the processes) and leaves the axes of each process's chips to XLA's
+        partitioner, as a graph of one process with sharded inputs does."""
+        static_values, shapes, where = static
         trace = super()._trace
 
         def per_rank(rng: Any, *blocks: Any) -> tuple:
@@ -323,19 +360,24 @@ class CollectiveGraph(CompiledGraph):
             finally:
                 _GROUP_AXES.reset(axes)
 
-        mesh = self._mesh(chip)
         # check_vma=False: a graph may call kernels (Pallas, jax_op) whose output types do not say how they vary
         # over the mesh, which JAX's check requires; every output is this rank's own block anyway.
-        return jax.shard_map(per_rank, mesh=mesh, in_specs=_blocked(mesh), out_specs=_blocked(mesh),
+        return jax.shard_map(per_rank, mesh=self._mesh(where), in_specs=_blocked(self._grid),
+                             out_specs=_blocked(self._grid), axis_names=frozenset(self._grid.names),
                              check_vma=False)(rng, *blocks)
 
-    def _mesh(self, chip: int) -> Mesh:
-        """The grid's mesh of each process's chip ``chip``."""
-        if chip not in self._meshes:
-            chips = [runtime.process_devices(rank)[chip] for rank in self._grid.ranks]
-            self._meshes[chip] = Mesh(np.array(chips).reshape(self._grid.shape), self._grid.names)
-        return self._meshes[chip]
+    def _mesh(self, where: int | Mesh) -> Mesh:
+        """The grid's mesh of each process's chip ``where``, or of each process's ``where`` chips (a mesh of them:
+        the grid's axes, then theirs)."""
+        if where not in self._meshes:
+            local = [storage.chip_index(d) for d in where.devices.flat] if isinstance(where, Mesh) else [where]
+            chips = [[runtime.process_devices(rank)[chip] for chip in local] for rank in self._grid.ranks]
+            shape, names = self._grid.shape, self._grid.names
+            if isinstance(where, Mesh):
+                shape, names = (*shape, *where.devices.shape), (*names, *where.axis_names)
+            self._meshes[where] = Mesh(np.array(chips, dtype=object).reshape(shape), names)
+        return self._meshes[where]
 
 
-def _block_or_none(mesh: Mesh, rng: Any) -> Any:
-    return None if rng is None else _block(mesh, rng)
+def _block_or_none(mesh: Mesh, grid: Grid, rng: Any) -> Any:
+    return None if rng is None else _block(mesh, grid, rng)
