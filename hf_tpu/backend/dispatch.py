@@ -484,7 +484,8 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             arrays = dynamic[slot] if is_list else dynamic  # each array is looked up, not held in a variable here:
             positions = range(len(tensors)) if is_list else (slot,)  # storage.donatable counts who holds it
             whole = [storage.is_whole(tensor, storage.buffer_of(tensor)) for tensor in tensors]
-            if all(whole) and all(storage.donatable(tensor, arrays[position], arrays)
+            passed = storage.occurrences(arrays)
+            if all(whole) and all(storage.donatable(tensor, arrays[position], passed)
                                   for tensor, position in zip(tensors, positions)):
                 slots.append(slot)
                 continue

@@ -11,12 +11,12 @@ contents for its life (:func:`placed`).
 
 from __future__ import annotations
 
+import collections
 import functools
-import itertools
 import math
-import operator
 import sys
 import weakref
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -382,15 +382,21 @@ MOVING = None
 """The offset of a view geometry whose storage offset is an argument of the program, not part of it."""
 
 
-def donatable(tensor: torch.Tensor, array: Any, arrays: list | tuple) -> bool:
-    """Whether ``array``, read from ``tensor`` into a program's inputs ``arrays``, can be donated to it (XLA then
-    writes the result into its memory): the storage's whole array, held by nothing but its storage (and the
-    newest-array records), passed once. The caller must hold ``array`` only in ``arrays`` and in one more
-    reference (its variable, or a record of what it read) besides this function's parameter."""
+def occurrences(arrays: Iterable[Any]) -> collections.Counter:
+    """How many times each array (by identity) is among a program's inputs: what :func:`donatable` is given."""
+    return collections.Counter(map(id, arrays))
+
+
+def donatable(tensor: torch.Tensor, array: Any, passed: Mapping[int, int]) -> bool:
+    """Whether ``array``, read from ``tensor`` into a program's inputs, can be donated to it (XLA then writes the
+    result into its memory): the storage's whole array, held by nothing but its storage (and the newest-array
+    records), passed once (``passed``: :func:`occurrences` of the inputs). The caller must hold ``array`` only in
+    its inputs and in one more reference (its variable, or a record of what it read) besides this function's
+    parameter."""
     if tensor.device.type != "tpu" or buffer_of(tensor).array is not array:
         return False
     references = sys.getrefcount(array) - completion.is_latest(array)
-    return references <= _OWNED_REFERENCES and sum(map(operator.is_, arrays, itertools.repeat(array))) == 1
+    return references <= _OWNED_REFERENCES and passed[id(array)] == 1
 
 
 # References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
@@ -486,7 +492,7 @@ def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
     geometry = view_geometry(tensor, buffer)
     offset = (tensor.storage_offset(),) if geometry[4] is MOVING else ()
     array = buffer.current()
-    donate = not fused.ON and donatable(tensor, array, (array,))
+    donate = not fused.ON and donatable(tensor, array, {id(array): 1})
     if not donate and not fused.ON:
         allocator.copied_in_place(buffer.device_index)
     writer = _view_writer(geometry, donate)

@@ -356,7 +356,8 @@ class _Program:
         budget = jnp.asarray(chunk or self._capacity, jnp.int64)
         while True:
             stream = np.array(random_state.position(device_index), np.uint64)
-            donate = all(storage.donatable(tensor, arrays[i], arrays) for i, tensor in enumerate(cache_tensors))
+            passed = storage.occurrences(arrays)
+            donate = all(storage.donatable(tensor, arrays[i], passed) for i, tensor in enumerate(cache_tensors))
             steps, tokens, outputs, written, step_inputs, unfinished, length, check = self._loops[donate](
                 weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget, stream),
                 pad_finished, rows)

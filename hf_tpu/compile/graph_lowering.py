@@ -544,8 +544,9 @@ class CompiledGraph:
     def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held
         by nothing but its storage (and the newest-array record), passed to the program only once."""
+        passed = storage.occurrences(arrays)
         return tuple(position for position in self._mutated_inputs
-                     if storage.donatable(tensors[position], arrays[position], arrays))
+                     if storage.donatable(tensors[position], arrays[position], passed))
 
 
 class _NeedsNumbers(Exception):

@@ -339,13 +339,13 @@ class _JaxOp:
         starts = [0]
         for item in tensors:
             starts.append(starts[-1] + len(_leaves(item)))
-        donated = []
+        donated, passed = [], storage.occurrences(arrays)
         for position in self.donate_argnums:
             donatable = True
             for index in range(starts[position], starts[position + 1]):
                 tensor, array = leaves[index], arrays[index]
                 donatable = donatable and not tensor.requires_grad and _storage_users(tensor) <= _SOLE_USER and (
-                    storage.donatable(tensor, array, arrays))
+                    storage.donatable(tensor, array, passed))
                 del array
             if donatable:
                 donated.append(position)
