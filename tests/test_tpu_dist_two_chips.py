@@ -235,6 +235,28 @@ def case_data_parallel_over_processes_tensor_parallel_over_chips():
         torch.testing.assert_close(parameter.grad.cpu(), expected.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def case_fsdp2_over_processes_tensor_parallel_over_chips():
+    """FSDP2 (fully_shard) over the two processes of a model split over each process's two chips: one step of
+    AdamW gives the weights one model gets from both processes' batches. (FSDP2's own buffers, made with
+    torch.empty, are on one chip: its shards and all-gathers are not split over the chips.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    hf_tpu.shard(model, tp_size=CHIPS, plan={"0": "colwise", "2": "rowwise"})
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(_values(rank, 3, 8).to("tpu") / 10).square().mean().backward()
+    optimizer.step()
+    expected = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    reference(torch.cat(_every(3, 8)) / 10).square().mean().backward()
+    expected.step()
+    for (name, parameter), wanted in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(parameter.full_tensor().cpu(), wanted.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def case_bad_input_says_what_to_do():
     outputs = [torch.empty(2, device="tpu:0"), torch.empty(2, device="tpu:1")]
     with pytest.raises(ValueError, match=r"tensors on several chips \(\['tpu:0', 'tpu:1'\]\).*move them to one"):
