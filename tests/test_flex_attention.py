@@ -41,8 +41,8 @@ def _inputs():
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
 
-def _gradients(attention, device):
-    tensors = [t.to(device).requires_grad_() for t in _inputs()]
+def _gradients(attention, device, batch=BATCH):
+    tensors = [t[:batch].to(device).requires_grad_() for t in _inputs()]
     out = attention(*tensors)
     (out * torch.linspace(-1, 1, DIM, device=device)).sum().backward()
     return [out.detach().cpu(), *(t.grad.cpu() for t in tensors)]
@@ -63,6 +63,22 @@ def test_flex_attention_forward_and_backward_match_a_dense_attention(compiled, m
     if compiled:
         stats = compile_stats()
         assert stats["fallbacks"] == 0 and stats["calls"] >= 2  # a forward program and a backward one
+
+
+def test_a_new_batch_size_compiles_flex_attention_with_symbolic_sizes(monkeypatch):
+    """A call with another batch size makes Dynamo recompile with symbolic sizes (automatic dynamic shapes, as a
+    trainer's last, smaller batch does): the expansion takes them, still one program per graph, the same values."""
+    monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
+    flex = torch.compile(flex_attention)
+
+    def on_tpu(query, key, value):
+        mask = create_block_mask(_causal, None, None, LENGTH, LENGTH, device="tpu")
+        return flex(query, key, value, score_mod=_distance_bias, block_mask=mask, enable_gqa=True)
+
+    for batch in (BATCH, 1, 3):
+        for result, reference in zip(_gradients(on_tpu, "tpu", batch), _gradients(_dense, "cpu", batch)):
+            torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-4)
+    assert compile_stats()["fallbacks"] == 0
 
 
 def test_transformers_flex_attention_on_tpu_gives_cpus_logits():

@@ -6,7 +6,9 @@ implements both operators for any device in ATen ops (``sdpa_dense`` and ``sdpa_
 against every key, ``score_mod`` applied to the scores, ``mask_mod`` masking them). :func:`expand` traces that
 implementation, with the node's own ``score_mod`` and ``mask_mod`` graphs, into ATen ops and puts them in place of
 the node, so that the graph lowers to one XLA program with the mask and the score modification in it (XLA fuses
-them into the score computation). The block mask's sparsity is not used: masked blocks are computed and masked.
+them into the score computation). A graph with symbolic sizes (Dynamo's recompile after a new batch size) is
+traced with them: its integer inputs are the expansion's too. The block mask's sparsity is not used: masked blocks
+are computed and masked.
 """
 
 from __future__ import annotations
@@ -43,8 +45,6 @@ def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: An
     graph = graph_module.graph
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     inputs = [index for index, leaf in enumerate(leaves) if isinstance(leaf, fx.Node) and leaf.op != "get_attr"]
-    if any(not isinstance(leaves[index].meta.get("val"), torch.Tensor) for index in inputs):
-        raise NotImplementedError("tpu graph mode: FlexAttention with symbolic sizes")
     values = [getattr(graph_module, leaf.target) if isinstance(leaf, fx.Node) and leaf.op == "get_attr" else leaf
               for leaf in leaves]
 

@@ -418,7 +418,9 @@ class CompiledGraph:
         lowered = jax.jit(self._trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
         interpreted = runtime.interpreted_kernel_traces != traces
         placement = tuple(a.sharding for a in arrays)  # the chips, and how sharded inputs are spread over them
-        fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), placement)
+        # the inputs' shapes too: an input the program does not use is not in its text, but the executable takes it
+        signature = tuple((a.shape, a.dtype) for a in arrays), None if rng is None else (rng.shape, rng.dtype)
+        fingerprint = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), placement, signature)
         executable = _lookup(_EXECUTABLES, fingerprint)
         if executable is None:
             executable = _store(_EXECUTABLES, fingerprint, lowered.compile(), _SHARED_EXECUTABLES)
