@@ -395,24 +395,13 @@ def donatable(tensor: torch.Tensor, array: Any, passed: Mapping[int, int]) -> bo
     parameter."""
     if tensor.device.type != "tpu" or buffer_of(tensor).array is not array:
         return False
-    references = sys.getrefcount(array) - completion.is_latest(array) - _interpreters_parameter_references()
+    references = sys.getrefcount(array) - completion.is_latest(array)
     return references <= _OWNED_REFERENCES and passed[id(array)] == 1
 
 
 # References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
 # variable, this function's parameter and getrefcount's argument. More means someone else holds it.
 _OWNED_REFERENCES = 5
-
-
-def _references_to(parameter: Any) -> int:
-    return sys.getrefcount(parameter)
-
-
-def _interpreters_parameter_references() -> int:
-    """References the interpreter holds to a function's parameter besides the parameter itself: none, but one once
-    ``torch.compile`` failed in the process (torch 2.13's Dynamo leaves a frame evaluator behind that holds each
-    call's arguments), which would otherwise make every array look held by someone else."""
-    return _references_to(object()) - 2
 
 
 def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:
