@@ -67,6 +67,18 @@ def test_a_jax_array_holding_the_old_value_keeps_it_and_the_copy_is_counted():
     assert x.sum().item() == 16.0
 
 
+@pytest.mark.parametrize("name", ["row_write", "column_slice_write", "setitem"])
+def test_a_jax_array_holding_the_old_value_keeps_it_through_a_view_write(name):
+    """A write into a view of a storage (written back into the storage's array) with another holder of that array:
+    the holder keeps its values, the copy counted."""
+    x = torch.zeros(16, 32, device="tpu")
+    held = hf_tpu.to_jax(x)
+    copies = _copies()
+    UPDATES[name](x)
+    assert _copies() > copies
+    assert float(held.sum()) == 0.0 and not held.is_deleted()
+
+
 def test_a_view_sees_the_update_and_another_storage_does_not():
     x = torch.zeros(4, 4, device="tpu")
     view, other = x[1:], x.clone()

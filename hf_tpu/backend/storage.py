@@ -492,7 +492,8 @@ def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
     geometry = view_geometry(tensor, buffer)
     offset = (tensor.storage_offset(),) if geometry[4] is MOVING else ()
     array = buffer.current()
-    donate = not fused.ON and donatable(tensor, array, {id(array): 1})
+    inputs = (array,)  # the program's inputs, held while donatable counts the references to the array
+    donate = not fused.ON and donatable(tensor, array, occurrences(inputs))
     if not donate and not fused.ON:
         allocator.copied_in_place(buffer.device_index)
     writer = _view_writer(geometry, donate)
