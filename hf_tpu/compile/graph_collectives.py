@@ -30,7 +30,6 @@ from collections.abc import Iterable
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import torch
 import torch.distributed as dist
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -245,11 +244,7 @@ def _chips(arrays: list) -> Mesh | None:
     """The mesh of this process's chips the inputs are split or copied over (all of them are on it, as
     graph_lowering's ``_on_one_mesh`` puts them), or ``None`` for inputs on one chip."""
     sharding = next((a.sharding for a in arrays if storage.is_spread(a)), None)
-    if sharding is None:
-        return None
-    if isinstance(sharding, NamedSharding):
-        return sharding.mesh
-    return Mesh(np.array(sharding._device_assignment), ("chips",))
+    return None if sharding is None else collectives.chip_mesh(sharding)
 
 
 def _block(mesh: Mesh, grid: Grid, local: Any) -> Any:
@@ -371,11 +366,11 @@ class CollectiveGraph(CompiledGraph):
         the grid's axes, then theirs)."""
         if where not in self._meshes:
             local = [storage.chip_index(d) for d in where.devices.flat] if isinstance(where, Mesh) else [where]
-            chips = [[runtime.process_devices(rank)[chip] for chip in local] for rank in self._grid.ranks]
             shape, names = self._grid.shape, self._grid.names
             if isinstance(where, Mesh):
                 shape, names = (*shape, *where.devices.shape), (*names, *where.axis_names)
-            self._meshes[where] = Mesh(np.array(chips, dtype=object).reshape(shape), names)
+            devices = runtime.chips_of_processes(self._grid.ranks, local)
+            self._meshes[where] = Mesh(devices.reshape(shape), names)
         return self._meshes[where]
 
 

@@ -124,17 +124,22 @@ def _program(kind: str, mesh: Mesh, spec: PartitionSpec, static: Any) -> Callabl
     return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=blocks, out_specs=out_specs))
 
 
+def chip_mesh(sharding: jax.sharding.Sharding) -> Mesh:
+    """The mesh of this process's chips an array of ``sharding`` is on: its own, or (a one-chip array, a layout of
+    XLA's own) its chips as one axis ``chips``."""
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh
+    return Mesh(np.array(sharding._device_assignment), ("chips",))
+
+
 def local_layout(local: Any, kind: str) -> tuple[Any, Mesh, PartitionSpec]:
     """``local``, the mesh of this process's chips it is on and how it is split over them (one chip: a one-chip
     mesh, whole). Dim 0 is made whole on each chip for the collectives that split or exchange it; a layout of
     XLA's own that is not a mesh's is made a whole copy per chip."""
-    sharding = local.sharding
-    if isinstance(sharding, NamedSharding):
-        chips, spec = sharding.mesh, sharding.spec
-    else:
-        chips, spec = Mesh(np.array(sharding._device_assignment), ("chips",)), PartitionSpec()
-        if not sharding.is_fully_replicated:
-            local = jax.device_put(local, NamedSharding(chips, spec))
+    sharding, chips = local.sharding, chip_mesh(local.sharding)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    if not isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated:
+        local = jax.device_put(local, NamedSharding(chips, spec))
     if kind in ROW_KINDS and spec and spec[0] is not None:
         spec = PartitionSpec(None, *spec[1:])
         local = jax.device_put(local, NamedSharding(chips, spec))

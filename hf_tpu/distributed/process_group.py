@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ProcessGroupGloo
@@ -158,10 +157,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         process of the group, axis ``ranks`` first (the group's rank order), then ``chips``' own axes."""
         from jax.sharding import Mesh
 
-        local = [storage.chip_index(device) for device in chips.devices.flat]
-        every = [[runtime.process_devices(rank)[chip] for chip in local] for rank in self._ranks]
-        grid = np.array(every, dtype=object).reshape(len(self._ranks), *chips.devices.shape)
-        return Mesh(grid, (collectives.AXIS, *chips.axis_names))
+        devices = runtime.chips_of_processes(self._ranks, [storage.chip_index(d) for d in chips.devices.flat])
+        return Mesh(devices.reshape(len(self._ranks), *chips.devices.shape), (collectives.AXIS, *chips.axis_names))
 
     def _issue(self, what: str, kind: str, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                static: Any = None, prepare: Callable[[Any], Any] | None = None,

@@ -13,6 +13,7 @@ import datetime
 import math
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -143,6 +144,14 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: datetime.timed
                                process_id=rank, local_device_ids=_local_device_ids(local_rank),
                                initialization_timeout=max(1, int(timeout.total_seconds())))
     _started = (rank, world_size)
+
+
+def chips_of_processes(ranks: Sequence[int], chips: Sequence[int]) -> Any:
+    """The JAX devices of local chips ``chips`` (``tpu:k`` indices) of each process of ``ranks`` (global ranks): an
+    array of ``(len(ranks), len(chips))``, for a mesh over them."""
+    import numpy as np
+
+    return np.array([[process_devices(rank)[chip] for chip in chips] for rank in ranks], dtype=object)
 
 
 def process_devices(process: int) -> list[Any]:
