@@ -126,6 +126,20 @@ def test_graph_mode_views_factories_and_casts_match_cpu():
         torch.testing.assert_close(actual.cpu(), wanted)
 
 
+def test_a_dtype_view_in_a_graph_reads_the_same_bytes_as_on_cpu(monkeypatch):
+    monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
+
+    def bits(x, packed, flags):
+        return x.view(torch.int16) + 1, packed.view(torch.float32) * 2, x.view(torch.complex64), flags.view(torch.bool)
+
+    x, packed = torch.randn(3, 4), torch.randn(2, 4).view(torch.int8)
+    flags = torch.tensor([0, 1, 1, 0], dtype=torch.uint8)
+    for actual, wanted in zip(torch.compile(bits, backend="tpu")(*to_tpu((x, packed, flags))), bits(x, packed, flags)):
+        assert actual.shape == wanted.shape and actual.dtype == wanted.dtype
+        torch.testing.assert_close(actual.cpu(), wanted)
+    assert compile_stats()["fallbacks"] == 0
+
+
 def test_backward_with_symbolic_sizes_matches_cpu(monkeypatch):
     """With ``dynamic=True`` the forward graph hands the sizes its backward needs out as numbers."""
     monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")

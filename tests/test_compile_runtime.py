@@ -196,6 +196,38 @@ def test_outputs_keep_the_strides_they_have_on_cpu():
         torch.testing.assert_close(result.mT.reshape(-1).cpu(), expected.mT.reshape(-1))
 
 
+def test_views_given_to_a_compiled_graph_are_taken_inside_its_program():
+    from hf_tpu.backend import storage
+
+    def project(x, w, bias_bits):
+        return x @ w + bias_bits.view(torch.bfloat16)
+
+    compiled = torch.compile(project, backend="tpu", dynamic=False)
+    x, weight, table = torch.randn(3, 7), torch.randn(5, 7), torch.randn(4, 5).to(torch.bfloat16)
+    tpu_x, tpu_weight, tpu_table = to_tpu((x, weight, table))
+    eager_view_reads = storage._view_reader.cache_info().misses
+    # a transposed weight (as AOTAutograd saves it for the backward), and a row at an offset of a storage of
+    # another dtype
+    for step in range(3):
+        result = compiled(tpu_x, tpu_weight.t(), tpu_table.view(torch.int16)[2])
+        torch.testing.assert_close(result.cpu(), project(x, weight.t(), table.view(torch.int16)[2]))
+        weight.add_(1.0), tpu_weight.add_(1.0)  # the next call reads the storage's new array
+    assert compile_stats()["compilations"] == 1
+    assert storage._view_reader.cache_info().misses == eager_view_reads
+    # the same inputs, now whole: another program, reading them as they are
+    result = compiled(tpu_x, tpu_weight.t().contiguous(), tpu_table.view(torch.int16)[2].clone())
+    torch.testing.assert_close(result.cpu(), project(x, weight.t(), table.view(torch.int16)[2]))
+
+
+def test_a_view_a_compiled_graph_updates_in_place_writes_its_storage():
+    compiled = torch.compile(lambda rows: rows.mul_(2).sum(), backend="tpu")
+    base = torch.arange(12.0).reshape(3, 4)
+    tpu_base = to_tpu(base)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(tpu_base.t()[1:3]).cpu(), base.t()[1:3].mul_(2).sum())
+    torch.testing.assert_close(tpu_base.cpu(), base)
+
+
 def test_graph_breaks_run_the_code_between_graphs_eagerly():
     def branchy(x):
         y = torch.sin(x) * 2

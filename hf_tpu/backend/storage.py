@@ -419,7 +419,7 @@ def view_of(array: Any, geometry: tuple, offset: Any = None) -> Any:
     """Traceable: the view ``geometry`` of a storage array (at ``offset`` if the geometry's is :data:`MOVING`)."""
     _, dtype, size, stride, fixed_offset, conjugated, negated = geometry
     offset = offset if fixed_offset is MOVING else fixed_offset
-    values = strided.read(_reinterpret(array.reshape(-1), dtypes.to_jax(dtype)), size, stride, offset)
+    values = strided.read(reinterpret(array.reshape(-1), dtypes.to_jax(dtype)), size, stride, offset)
     return _apply_bits(values, conjugated, negated)
 
 
@@ -444,6 +444,23 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
     arguments = (array,) if geometry[4] is not MOVING else (array, tensor.storage_offset())
     reader = _view_reader(geometry)
     return fused.apply(reader, "view read", buffer.device_index, *arguments) if pending else reader(*arguments)
+
+
+def read_for_program(tensor: torch.Tensor) -> tuple[Any, tuple | None]:
+    """What a compiled program takes for ``tensor``: the storage's array and the view geometry the program applies
+    to it (:func:`view_of`), or the tensor's values and ``None``. A view at a fixed offset of a one-chip storage is
+    taken inside the program, where XLA fuses it into its reader (a transposed weight saved for the backward then
+    costs no program of its own); a view at a moving offset is read as :func:`read` reads it."""
+    buffer = buffer_of(tensor)
+    array = buffer.array
+    if array is None:
+        array = buffer.materialize()
+    if holds_whole(tensor, buffer, array):
+        return array, None
+    geometry = view_geometry(tensor, buffer)
+    if geometry[4] is MOVING or type(array.sharding) is not ONE_CHIP:
+        return read(tensor), None
+    return array, geometry
 
 
 def adopt_dtype(tensor: torch.Tensor) -> None:
@@ -523,7 +540,7 @@ def _bits_dtype(dtype: Any) -> Any:
     return dtype
 
 
-def _reinterpret(flat: Any, dtype: Any) -> Any:
+def reinterpret(flat: Any, dtype: Any) -> Any:
     """The bytes of a 1-D array seen as ``dtype`` (``Tensor.view(dtype)``, ``storage`` byte access)."""
     if flat.dtype == dtype:
         return flat
@@ -554,9 +571,9 @@ def _view_writer(geometry: tuple, donate: bool):
     target, storage_target = dtypes.to_jax(dtype), dtypes.to_jax(storage_dtype)
 
     def write_view(array, value, offset=fixed_offset):
-        flat = _reinterpret(array.reshape(-1), target)
+        flat = reinterpret(array.reshape(-1), target)
         value = _apply_bits(value.astype(target), conjugated, negated)
         flat = strided.write(flat, value, size, stride, offset)
-        return _reinterpret(flat, storage_target).reshape(array.shape)
+        return reinterpret(flat, storage_target).reshape(array.shape)
 
     return tpu_lowering.checked("view write", jax.jit(write_view, donate_argnums=(0,) if donate else ()))

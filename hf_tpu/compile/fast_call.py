@@ -31,17 +31,19 @@ def _whole_array(tensor: torch.Tensor, array: Any) -> bool:
 
 class _Input:
     """What one call read from one input: the whole tensor (weakly; ``None`` if it was a view or not on tpu),
-    its buffer and the array, the tensor's shape, and the array's ``(shape, dtype)``."""
+    its buffer and the array, the tensor's shape, the array's ``(shape, dtype)`` and the view the program takes of
+    it (``None``: the array is the tensor's values)."""
 
-    __slots__ = ("tensor", "buffer", "array", "shape", "signature")
+    __slots__ = ("tensor", "buffer", "array", "shape", "signature", "view")
 
-    def __init__(self, tensor: torch.Tensor, array: Any) -> None:
-        whole = _whole_array(tensor, array)
+    def __init__(self, tensor: torch.Tensor, array: Any, view: tuple | None) -> None:
+        whole = view is None and _whole_array(tensor, array)
         self.tensor = weakref.ref(tensor) if whole else None
         self.buffer = weakref.ref(storage.buffer_of(tensor)) if whole else None
         self.array = weakref.ref(array)
         self.shape = tensor.shape
         self.signature = (array.shape, array.dtype)
+        self.view = view
 
     def same_array(self, tensor: torch.Tensor) -> Any:
         """The array to pass for ``tensor`` if it is the recorded whole tensor on the recorded buffer, whose
@@ -70,15 +72,18 @@ class _Input:
 
 
 class CallPlan:
-    """The inputs of a compiled graph's last call on one chip (its tensor inputs and constants, its non-tensor
-    inputs, the mutated inputs donated) and the executable with the sizes it returned (``compiled``), to check
-    the next call against. The plan holds under the check mode (:mod:`..backend.checks`) it was made in."""
+    """The inputs of a compiled graph's last call on one chip (its tensor inputs and constants, the views the
+    program takes of them, its non-tensor inputs, the mutated inputs donated) and the executable with the sizes it
+    returned (``compiled``), to check the next call against. The plan holds under the check mode
+    (:mod:`..backend.checks`) it was made in."""
 
-    __slots__ = ("inputs", "device_index", "static_values", "donated", "mode", "compiled")
+    __slots__ = ("inputs", "views", "device_index", "static_values", "donated", "mode", "compiled")
 
-    def __init__(self, tensors: list[torch.Tensor], arrays: list[Any], device_index: int, static_values: tuple,
-                 donated: tuple[int, ...], compiled: tuple) -> None:
-        self.inputs = [_Input(tensor, array) for tensor, array in zip(tensors, arrays)]
+    def __init__(self, tensors: list[torch.Tensor], arrays: list[Any], views: tuple, device_index: int,
+                 static_values: tuple, donated: tuple[int, ...], compiled: tuple) -> None:
+        self.inputs = [_Input(tensor, array, view)
+                       for tensor, array, view in zip(tensors, arrays, views or (None,) * len(tensors))]
+        self.views = views
         self.device_index, self.static_values, self.donated = device_index, static_values, donated
         self.mode, self.compiled = checks.MODE, compiled
 
@@ -95,7 +100,7 @@ class CallPlan:
                 if array is None:
                     return None
                 # the next call likely passes this tensor again (a new generate's cache): check it cheaply then
-                self.inputs[position] = _Input(tensor, array)
+                self.inputs[position] = _Input(tensor, array, record.view)
             arrays.append(array)
         return arrays
 
@@ -111,12 +116,16 @@ class CallPlan:
                 buffer().set(value)
 
     def _read_new(self, tensor: torch.Tensor, record: _Input) -> Any:
-        """A tensor the plan has not seen, read as the full path reads it, if it fits the record."""
+        """A tensor the plan has not seen, read as the full path reads it, if it fits the record (a view the
+        program takes itself must be the recorded one)."""
         try:
             buffer = storage.buffer_of(tensor)
         except AttributeError:  # not a tpu tensor: the full path decides how it joins the program
             return None
         if buffer.device_index != self.device_index:
             return None
-        array = storage.read(tensor)
-        return array if record.fits(array) else None
+        if record.view is None:
+            array = storage.read(tensor)
+            return array if record.fits(array) else None
+        array, view = storage.read_for_program(tensor)
+        return array if view == record.view and record.fits(array) else None

@@ -402,8 +402,10 @@ class CompiledGraph:
             return lambda rng, *arrays: self._trace(static_values, rng, *arrays, *constants)
         return lambda *arrays: self._trace(static_values, None, *arrays, *constants)
 
-    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:
-        """The XLA executable for these inputs, and the sizes among the results: built once per input
+    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list,
+                    views: tuple) -> tuple:
+        """The XLA executable for these inputs (``views``: the view each input takes of its array inside the
+        program, see :func:`storage.read_for_program`), and the sizes among the results: built once per input
         signature and donation pattern.
 
         Executables are shared between graphs through a fingerprint of their program: when Dynamo
@@ -411,11 +413,12 @@ class CompiledGraph:
         """
         start, loads = time.perf_counter(), recompiles.disk_cache_hits()
         donate = tuple(2 + position for position in donated)
+        trace = functools.partial(self._trace, views=views) if views else self._trace
         if tpu_lowering.MODE != "off":
-            tpu_lowering.check(f"compiled {self.name}", jax.jit(self._trace, static_argnums=0),
+            tpu_lowering.check(f"compiled {self.name}", jax.jit(trace, static_argnums=0),
                                (static_values, rng, *arrays))
         traces = runtime.interpreted_kernel_traces
-        lowered = jax.jit(self._trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
+        lowered = jax.jit(trace, static_argnums=0, donate_argnums=donate).lower(static_values, rng, *arrays)
         interpreted = runtime.interpreted_kernel_traces != traces
         placement = tuple(a.sharding for a in arrays)  # the chips, and how sharded inputs are spread over them
         # the inputs' shapes too: an input the program does not use is not in its text, but the executable takes it
@@ -431,9 +434,12 @@ class CompiledGraph:
         count("compile_seconds", time.perf_counter() - start)
         return (runtime.waiting(executable) if interpreted else executable), self._traced_sizes
 
-    def _trace(self, static_values: tuple, rng: Any, *arrays: Any) -> tuple[tuple, tuple, Any]:
+    def _trace(self, static_values: tuple, rng: Any, *arrays: Any, views: tuple = ()) -> tuple[tuple, tuple, Any]:
         """The graph's outputs for these inputs; positions marked in ``static_values`` come in an array after the
-        tensor inputs and constants."""
+        tensor inputs and constants. ``views``: per input, the view the graph reads of its array, or ``None``."""
+        if views:
+            arrays = [*(a if view is None else storage.view_of(a, view) for a, view in zip(arrays, views)),
+                      *arrays[len(views):]]
         signature = (static_values, tuple((a.shape, a.dtype) for a in arrays))
         if self._signature is not None:
             recompiles.log_retrace(self.name, self._signature, signature)
@@ -477,10 +483,10 @@ class CompiledGraph:
         arrays = plan.read(inputs, static_values) if plan is not None else None
         fast = arrays is not None
         if fast:  # called like the last time (a decode step): no placement to work out
-            device_index, shardings = plan.device_index, None
+            device_index, shardings, views = plan.device_index, None, plan.views
         else:
             device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
-            arrays = [_read(t, device_index) for t in inputs]
+            arrays, views = self._read_inputs(inputs, device_index)
             shardings = None
             if any(type(a.sharding) is not storage.ONE_CHIP for a in arrays):  # sharded tensors among the inputs
                 arrays, device_index, shardings = _on_one_mesh(inputs, arrays, device_index)
@@ -498,13 +504,13 @@ class CompiledGraph:
             count("fast_calls")
         else:
             try:
-                compiled = self._compiled(donated, static_values, rng, arrays, shardings)
+                compiled = self._compiled(donated, static_values, rng, arrays, shardings, views)
             except Exception as error:
                 if self._position_slots:
                     raise _NeedsNumbers from error
                 raise
-            self._plan = fast_call.CallPlan(inputs, arrays[:len(inputs)], device_index, static_values, donated,
-                                            compiled) \
+            self._plan = fast_call.CallPlan(inputs, arrays[:len(inputs)], views, device_index, static_values,
+                                            donated, compiled) \
                 if inputs and shardings is None and all(type(a.sharding) is storage.ONE_CHIP for a in arrays) \
                 else None
         executable, sizes = compiled
@@ -533,15 +539,28 @@ class CompiledGraph:
                 for o in self._outputs]
 
     def _compiled(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list,
-                  shardings: tuple | None) -> tuple:
+                  shardings: tuple | None, views: tuple) -> tuple:
         """The executable for these inputs and the sizes among its results, built on first use."""
-        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE, shardings)
+        key = (donated, static_values, tuple([(a.shape, a.dtype) for a in arrays]), checks.MODE, shardings, views)
         compiled = _lookup(self._executables, key)
         if compiled is None:
-            return _store(self._executables, key, self._executable(donated, static_values, rng, arrays),
+            return _store(self._executables, key, self._executable(donated, static_values, rng, arrays, views),
                           _EXECUTABLES_PER_GRAPH)
         count("cache_hits")
         return compiled
+
+    def _read_inputs(self, inputs: list[torch.Tensor], device_index: int) -> tuple[list[Any], tuple]:
+        """The arrays to pass for ``inputs`` (the tensor inputs, then the constants), and the view the program takes
+        of each (``()`` if none does). A mutated input is read as its values: its array must be its own to donate."""
+        arrays, views = [], []
+        for position, tensor in enumerate(inputs):
+            if tensor.device.type == "tpu" and position not in self._mutated_inputs:
+                array, view = storage.read_for_program(tensor)
+            else:
+                array, view = _read(tensor, device_index), None
+            arrays.append(array)
+            views.append(view)
+        return arrays, tuple(views) if any(view is not None for view in views) else ()
 
     def _donatable(self, tensors: list[torch.Tensor], arrays: list[Any]) -> tuple[int, ...]:
         """The mutated inputs whose array can be given to the program: the storage's whole array, held

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from ..backend import dtypes, strided
+from ..backend import dtypes, storage, strided
 from ..backend.positions import is_traced, normalized
 from ..backend.dispatch import LOWERINGS, resolve
 
@@ -158,6 +158,13 @@ def as_strided_scatter(self, src, size, stride, storage_offset=None):
     through a view of an input (functionalized ``index_copy_`` into a paged cache's layer, for one)."""
     offset = 0 if storage_offset is None else storage_offset
     return strided.write(self.reshape(-1), src, tuple(size), tuple(stride), offset).reshape(self.shape)
+
+
+@graph_lowering("view.dtype")
+def view_dtype(self, dtype):
+    """The same bytes as ``dtype``: the last dim grows or shrinks by the ratio of the item sizes."""
+    values = storage.reinterpret(self.reshape(-1), dtypes.to_jax(dtype))
+    return values.reshape(*self.shape[:-1], -1) if self.ndim else values.reshape(())
 
 
 @graph_lowering("view_as_complex")
