@@ -132,6 +132,15 @@ def test_a_byte_buffer_a_compiled_step_updates_as_floats_is_updated_in_place():
     assert _copies() == copies
     assert_same(tpu_bytes, cpu_bytes)
     assert_same(tpu_bytes.view(torch.float32), cpu_bytes.view(torch.float32))
+    # a new buffer (the next generate's cache) passed to the same step is updated in place from its first step
+    new_bytes = torch.zeros(64 * 4 * 4, dtype=torch.uint8, device="tpu")
+    step(new_bytes.view(torch.float32).view(64, 4), rows.to("tpu"), values.to("tpu"))
+    address, copies = _address(new_bytes.view(torch.float32)), _copies()
+    step(new_bytes.view(torch.float32).view(64, 4), rows.to("tpu"), (values + 1).to("tpu"))
+    assert _address(new_bytes.view(torch.float32)) == address and _copies() == copies
+    expected = torch.zeros(64, 4)
+    _write_rows(expected, rows, values + 1)
+    assert_same(new_bytes.view(torch.float32).view(64, 4), expected)
 
 
 def test_fused_mode_gives_the_same_values():

@@ -77,13 +77,13 @@ class CallPlan:
     returned (``compiled``), to check the next call against. The plan holds under the check mode
     (:mod:`..backend.checks`) it was made in."""
 
-    __slots__ = ("inputs", "views", "device_index", "static_values", "donated", "mode", "compiled")
+    __slots__ = ("inputs", "views", "device_index", "static_values", "mutated", "donated", "mode", "compiled")
 
     def __init__(self, tensors: list[torch.Tensor], arrays: list[Any], views: tuple, device_index: int,
-                 static_values: tuple, donated: tuple[int, ...], compiled: tuple) -> None:
+                 static_values: tuple, mutated: list[int], donated: tuple[int, ...], compiled: tuple) -> None:
         self.inputs = [_Input(tensor, array, view)
                        for tensor, array, view in zip(tensors, arrays, views or (None,) * len(tensors))]
-        self.views = views
+        self.views, self.mutated = views, frozenset(mutated)
         self.device_index, self.static_values, self.donated = device_index, static_values, donated
         self.mode, self.compiled = checks.MODE, compiled
 
@@ -96,6 +96,9 @@ class CallPlan:
         for position, (tensor, record) in enumerate(zip(tensors, self.inputs)):
             array = record.same_array(tensor)
             if array is None:
+                # a new tensor updated in place (a new paged cache's bytes updated as floats): then donatable
+                if position in self.mutated and tensor.device.type == "tpu":
+                    storage.adopt_dtype(tensor)
                 array = self._read_new(tensor, record)
                 if array is None:
                     return None

@@ -473,9 +473,6 @@ class CompiledGraph:
             return self._run(tensors, static_values)
 
     def _run(self, tensors: list[torch.Tensor], call_values: tuple) -> list:
-        for position in self._mutated_inputs:  # e.g. a paged cache's bytes updated as floats: then donatable
-            if tensors[position].device.type == "tpu":
-                storage.adopt_dtype(tensors[position])
         inputs = tensors + self._constants
         static_values = tuple(_POSITION if slot in self._position_slots else value
                               for slot, value in enumerate(call_values))
@@ -485,6 +482,9 @@ class CompiledGraph:
         if fast:  # called like the last time (a decode step): no placement to work out
             device_index, shardings, views = plan.device_index, None, plan.views
         else:
+            for position in self._mutated_inputs:
+                if tensors[position].device.type == "tpu":
+                    storage.adopt_dtype(tensors[position])
             device_index = next((storage.buffer_of(t).device_index for t in tensors if t.device.type == "tpu"), 0)
             arrays, views = self._read_inputs(inputs, device_index)
             shardings = None
@@ -510,7 +510,7 @@ class CompiledGraph:
                     raise _NeedsNumbers from error
                 raise
             self._plan = fast_call.CallPlan(inputs, arrays[:len(inputs)], views, device_index, static_values,
-                                            donated, compiled) \
+                                            self._mutated_inputs, donated, compiled) \
                 if inputs and shardings is None and all(type(a.sharding) is storage.ONE_CHIP for a in arrays) \
                 else None
         executable, sizes = compiled
