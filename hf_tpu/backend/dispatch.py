@@ -483,9 +483,10 @@ def build_kernel(op: torch._ops.OpOverload, entry: Lowering) -> Callable[..., An
             tensors = bound[index] if is_list else (bound[index],)
             arrays = dynamic[slot] if is_list else dynamic  # each array is looked up, not held in a variable here:
             positions = range(len(tensors)) if is_list else (slot,)  # storage.donatable counts who holds it
+            # (``records=1``: the reader's record of what it read holds each array once more)
             whole = [storage.is_whole(tensor, storage.buffer_of(tensor)) for tensor in tensors]
             passed = storage.occurrences(arrays)
-            if all(whole) and all(storage.donatable(tensor, arrays[position], passed)
+            if all(whole) and all(storage.donatable(tensor, arrays, position, passed, records=1)
                                   for tensor, position in zip(tensors, positions)):
                 slots.append(slot)
                 continue

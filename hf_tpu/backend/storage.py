@@ -16,7 +16,7 @@ import functools
 import math
 import sys
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -387,21 +387,24 @@ def occurrences(arrays: Iterable[Any]) -> collections.Counter:
     return collections.Counter(map(id, arrays))
 
 
-def donatable(tensor: torch.Tensor, array: Any, passed: Mapping[int, int]) -> bool:
-    """Whether ``array``, read from ``tensor`` into a program's inputs, can be donated to it (XLA then writes the
-    result into its memory): the storage's whole array, held by nothing but its storage (and the newest-array
-    records), passed once (``passed``: :func:`occurrences` of the inputs). The caller must hold ``array`` only in
-    its inputs and in one more reference (its variable, or a record of what it read) besides this function's
-    parameter."""
-    if tensor.device.type != "tpu" or buffer_of(tensor).array is not array:
+def donatable(tensor: torch.Tensor, inputs: Sequence[Any], position: int, passed: Mapping[int, int],
+              records: int = 0) -> bool:
+    """Whether ``inputs[position]``, read from ``tensor`` into a program's inputs, can be donated to it (XLA then
+    writes the result into its memory): the storage's whole array, held by nothing but its storage, ``inputs``,
+    the newest-array records and ``records`` records of the caller's (of what it read), passed once (``passed``:
+    :func:`occurrences` of the inputs).
+
+    The array is looked up here, not passed: after a failed ``torch.compile``, torch 2.13's frame evaluation holds
+    one more reference to each argument of every Python call for the rest of the process."""
+    if tensor.device.type != "tpu" or buffer_of(tensor).array is not inputs[position]:
         return False
-    references = sys.getrefcount(array) - completion.is_latest(array)
-    return references <= _OWNED_REFERENCES and passed[id(array)] == 1
+    references = sys.getrefcount(inputs[position]) - completion.is_latest(inputs[position])
+    return references <= _OWNED_REFERENCES + records and passed[id(inputs[position])] == 1
 
 
-# References to a storage's array while donatable looks at it: the storage, the arrays list, the caller's
-# variable, this function's parameter and getrefcount's argument. More means someone else holds it.
-_OWNED_REFERENCES = 5
+# References to a storage's array while donatable counts them: the storage, the inputs and getrefcount's argument.
+# More means someone else holds it.
+_OWNED_REFERENCES = 3
 
 
 def view_geometry(tensor: torch.Tensor, buffer: Buffer) -> tuple:
@@ -508,13 +511,12 @@ def write(tensor: torch.Tensor, value: Any, transfer: bool = False) -> None:
         return
     geometry = view_geometry(tensor, buffer)
     offset = (tensor.storage_offset(),) if geometry[4] is MOVING else ()
-    array = buffer.current()
-    inputs = (array,)  # the program's inputs, held while donatable counts the references to the array
-    donate = not fused.ON and donatable(tensor, array, occurrences(inputs))
+    inputs = (buffer.current(),)  # the program's inputs, held nowhere else while donatable counts their references
+    donate = not fused.ON and donatable(tensor, inputs, 0, occurrences(inputs))
     if not donate and not fused.ON:
         allocator.copied_in_place(buffer.device_index)
     writer = _view_writer(geometry, donate)
-    buffer.set(placed(buffer, fused.apply(writer, "view write", buffer.device_index, array, beside(buffer, value),
+    buffer.set(placed(buffer, fused.apply(writer, "view write", buffer.device_index, inputs[0], beside(buffer, value),
                                           *offset)))
 
 

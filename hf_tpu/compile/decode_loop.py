@@ -357,7 +357,7 @@ class _Program:
         while True:
             stream = np.array(random_state.position(device_index), np.uint64)
             passed = storage.occurrences(arrays)
-            donate = all(storage.donatable(tensor, arrays[i], passed) for i, tensor in enumerate(cache_tensors))
+            donate = all(storage.donatable(tensor, arrays, i, passed) for i, tensor in enumerate(cache_tensors))
             steps, tokens, outputs, written, step_inputs, unfinished, length, check = self._loops[donate](
                 weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget, stream),
                 pad_finished, rows)

@@ -567,7 +567,7 @@ class CompiledGraph:
         by nothing but its storage (and the newest-array record), passed to the program only once."""
         passed = storage.occurrences(arrays)
         return tuple(position for position in self._mutated_inputs
-                     if storage.donatable(tensors[position], arrays[position], passed))
+                     if storage.donatable(tensors[position], arrays, position, passed))
 
 
 class _NeedsNumbers(Exception):

@@ -343,10 +343,9 @@ class _JaxOp:
         for position in self.donate_argnums:
             donatable = True
             for index in range(starts[position], starts[position + 1]):
-                tensor, array = leaves[index], arrays[index]
+                tensor = leaves[index]
                 donatable = donatable and not tensor.requires_grad and _storage_users(tensor) <= _SOLE_USER and (
-                    storage.donatable(tensor, array, passed))
-                del array
+                    storage.donatable(tensor, arrays, index, passed))
             if donatable:
                 donated.append(position)
         return tuple(donated)
