@@ -4,9 +4,9 @@ LlamaForCausalLM (hidden 256, 4 layers, 4 heads, intermediate 688, vocab 1024), 
 (no downloads), a batch of (1, 64) tokens that are also the labels. A step is the forward with the LM
 loss, the backward and one ``torch.optim.AdamW`` step; every variant starts from the same weights and
 trains its own copy. Each timing is the best of several steps after a warm-up (which compiles: every op
-once in eager mode, the forward and backward graphs once with ``torch.compile(backend="tpu")``; the
-optimizer step runs eagerly in both tpu variants), and ends with the loss on the host and the device
-idle, so queued work (the parameter updates) is counted. The JAX step (jax_llama.py's model,
+once in eager mode, the forward and backward graphs once with ``torch.compile(backend="tpu")``, and in the
+last tpu variant ``optimizer.step`` too; in the others it runs eagerly), and ends with the loss on the host
+and the device idle, so queued work (the parameter updates) is counted. The JAX step (jax_llama.py's model,
 ``jax.value_and_grad`` and AdamW with torch's settings, one ``jax.jit`` with the state donated) is the engine's
 own ceiling: the issue's goal for the compiled tpu step is at least 0.9x its speed.
 
