@@ -451,19 +451,22 @@ def read(tensor: torch.Tensor, pending: bool = False) -> Any:
 
 def read_for_program(tensor: torch.Tensor) -> tuple[Any, tuple | None]:
     """What a compiled program takes for ``tensor``: the storage's array and the view geometry the program applies
-    to it (:func:`view_of`), or the tensor's values and ``None``. A view at a fixed offset of a one-chip storage is
-    taken inside the program, where XLA fuses it into its reader (a transposed weight saved for the backward then
-    costs no program of its own); a view at a moving offset is read as :func:`read` reads it."""
+    to it (:func:`view_of`), or the tensor's values and ``None``. A view of all of a one-chip storage in another
+    order or dtype (a transposed weight saved for the backward) is taken inside the program, where XLA fuses it
+    into its reader, instead of by a program of its own first. Any other view is read as :func:`read` reads it:
+    a part of a storage (an element at a step's index, say) as a program input would make a program per offset,
+    and a storage seen in another shape as it is (a step's element of a one-element storage) would make a program
+    apart from the one for the same element of a longer storage."""
     buffer = buffer_of(tensor)
     array = buffer.array
     if array is None:
         array = buffer.materialize()
     if holds_whole(tensor, buffer, array):
         return array, None
-    geometry = view_geometry(tensor, buffer)
-    if geometry[4] is MOVING or type(array.sharding) is not ONE_CHIP:
+    if tensor.storage_offset() or tensor.numel() * tensor.dtype.itemsize != buffer.nbytes \
+            or type(array.sharding) is not ONE_CHIP or _in_order(tensor, buffer):  # the last: a reshape, as before
         return read(tensor), None
-    return array, geometry
+    return array, view_geometry(tensor, buffer)
 
 
 def adopt_dtype(tensor: torch.Tensor) -> None:

@@ -310,7 +310,8 @@ class CollectiveGraph(CompiledGraph):
         raise NotImplementedError("a graph with collectives cannot be saved ahead of time: it runs as one program "
                                   "per process of a tpu_dist group; export the model without torch.distributed")
 
-    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list) -> tuple:
+    def _executable(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list,
+                    views: tuple) -> tuple:
         """The base class's executable for the global arrays of these blocks, wrapped to take and return local
         arrays, run on the collectives' thread and waited for with the group's timeout."""
         chips = _chips(arrays)
@@ -319,7 +320,7 @@ class CollectiveGraph(CompiledGraph):
         shapes = tuple(a.shape for a in arrays)
         blocks = [_block(mesh, self._grid, a) for a in arrays]
         executable, sizes = super()._executable(donated, (static_values, shapes, where),
-                                                _block_or_none(mesh, self._grid, rng), blocks)
+                                                _block_or_none(mesh, self._grid, rng), blocks, views)
         return self._run_in_order(executable, mesh, chips), sizes
 
     def _run_in_order(self, executable: Callable, mesh: Mesh, chips: Mesh | None) -> Callable:
@@ -340,10 +341,10 @@ class CollectiveGraph(CompiledGraph):
 
         return run
 
-    def _trace(self, static: tuple, rng: Any, *blocks: Any) -> tuple[tuple, tuple, Any]:
-        """The graph over the global arrays: the base class's trace of the local blocks, inside a shard_map that
-        is manual over the grid's axes (the processes) and leaves the axes of each process's chips to XLA's
-        partitioner, as a graph of one process with sharded inputs does."""
+    def _trace(self, static: tuple, rng: Any, *blocks: Any, views: tuple = ()) -> tuple[tuple, tuple, Any]:
+        """The graph over the global arrays: the base class's trace of the local blocks (each process's views of
+        them taken there), inside a shard_map that is manual over the grid's axes (the processes) and leaves the
+        axes of each process's chips to XLA's partitioner, as a graph of one process with sharded inputs does."""
         static_values, shapes, where = static
         trace = super()._trace
 
@@ -351,7 +352,7 @@ class CollectiveGraph(CompiledGraph):
             arrays = [block.reshape(shape) for block, shape in zip(blocks, shapes)]
             axes = _GROUP_AXES.set(self._axes)
             try:
-                return jax.tree.map(_lift, trace(static_values, rng, *arrays))
+                return jax.tree.map(_lift, trace(static_values, rng, *arrays, views=views))
             finally:
                 _GROUP_AXES.reset(axes)
 
