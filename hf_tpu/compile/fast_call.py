@@ -80,10 +80,10 @@ class CallPlan:
     __slots__ = ("inputs", "views", "device_index", "static_values", "mutated", "donated", "mode", "compiled")
 
     def __init__(self, tensors: list[torch.Tensor], arrays: list[Any], views: tuple, device_index: int,
-                 static_values: tuple, mutated: list[int], donated: tuple[int, ...], compiled: tuple) -> None:
+                 static_values: tuple, mutated: frozenset[int], donated: tuple[int, ...], compiled: tuple) -> None:
         self.inputs = [_Input(tensor, array, view)
                        for tensor, array, view in zip(tensors, arrays, views or (None,) * len(tensors))]
-        self.views, self.mutated = views, frozenset(mutated)
+        self.views, self.mutated = views, mutated
         self.device_index, self.static_values, self.donated = device_index, static_values, donated
         self.mode, self.compiled = checks.MODE, compiled
 

@@ -347,6 +347,7 @@ class CompiledGraph:
             if node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
                 mutated[self._tensor_nodes.index(node.args[0])] = node
         self._mutated_inputs, self._mutation_nodes = list(mutated), list(mutated.values())
+        self._mutated_positions = frozenset(mutated)
         output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self._outputs = list(output.args[0])
         self._size_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and _is_size(n)]
@@ -510,7 +511,7 @@ class CompiledGraph:
                     raise _NeedsNumbers from error
                 raise
             self._plan = fast_call.CallPlan(inputs, arrays[:len(inputs)], views, device_index, static_values,
-                                            self._mutated_inputs, donated, compiled) \
+                                            self._mutated_positions, donated, compiled) \
                 if inputs and shardings is None and all(type(a.sharding) is storage.ONE_CHIP for a in arrays) \
                 else None
         executable, sizes = compiled
@@ -554,7 +555,7 @@ class CompiledGraph:
         of each (``()`` if none does). A mutated input is read as its values: its array must be its own to donate."""
         arrays, views = [], []
         for position, tensor in enumerate(inputs):
-            if tensor.device.type == "tpu" and position not in self._mutated_inputs:
+            if tensor.device.type == "tpu" and position not in self._mutated_positions:
                 array, view = storage.read_for_program(tensor)
             else:
                 array, view = _read(tensor, device_index), None
