@@ -72,16 +72,22 @@ def _write_and_read_rows(cache, layer_views, rows, values, read):
     return torch.stack(outputs)
 
 
-def test_rows_written_and_read_through_views_of_a_buffer_touch_only_those_rows(monkeypatch, tmp_path):
+@pytest.fixture
+def folded(monkeypatch, tmp_path):
+    """What ``row_updates.fold`` rewrote in each graph compiled in the test: (writes, reads)."""
     from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
 
     from hf_tpu.compile import row_updates
 
     # traced here, not loaded from an earlier run's warm-start entry (whose graph is saved rewritten already)
     monkeypatch.setattr(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: str(tmp_path / "aotautograd")))
-    folded = []
+    rewritten = []
     fold = row_updates.fold
-    monkeypatch.setattr(row_updates, "fold", lambda graph_module: folded.append(fold(graph_module)))
+    monkeypatch.setattr(row_updates, "fold", lambda graph_module: rewritten.append(fold(graph_module)))
+    return rewritten
+
+
+def test_rows_written_and_read_through_views_of_a_buffer_touch_only_those_rows(folded):
     torch.manual_seed(0)
     cache = torch.randn(64 * 3, 2, 4)
     views = [cache[16:], cache[72:], cache.view(-1)[8:].view(-1, 2, 4)]  # the last at an offset of one row
@@ -97,6 +103,35 @@ def test_rows_written_and_read_through_views_of_a_buffer_touch_only_those_rows(m
     torch.testing.assert_close(result.cpu(), expected)
     torch.testing.assert_close(tpu_cache.cpu(), cache)
     assert folded == [(3, 3)]  # each layer's write and read became a scatter and a gather of its rows
+    assert compile_stats()["fallbacks"] == 0
+
+
+def _write_and_read_tokens_of_pages(page_views, rows, values, read):
+    """As the decode fast path of continuous batching: each layer's pages seen as tokens, written and read."""
+    outputs = []
+    for pages, layer_values in zip(page_views, values):
+        tokens = pages.view(-1, 2, 4)
+        tokens.index_copy_(0, rows, layer_values)
+        outputs.append(tokens.index_select(0, read))
+    return torch.stack(outputs)
+
+
+def test_rows_written_and_read_through_pages_seen_as_tokens_touch_only_those_rows(folded):
+    torch.manual_seed(0)
+    cache = torch.randn(64 * 8, 2, 4)
+    tpu_cache = cache.to("tpu")
+    pages = [lambda c: c[8:].view(-1, 8, 2, 4)[:60], lambda c: c[16:].view(-1, 8, 2, 4)[:60]]  # two layers' pages
+    rows, read = torch.tensor([3, 0, 90]), torch.tensor([90, 3, 1, 0, 400])
+    values = torch.randn(2, 3, 2, 4)
+    expected = _write_and_read_tokens_of_pages([view(cache) for view in pages], rows, values, read)
+
+    # dynamic: the page length is a symbolic size, as in a compiled continuous-batching step
+    result = torch.compile(_write_and_read_tokens_of_pages, backend="tpu", fullgraph=True, dynamic=True)(
+        [view(tpu_cache) for view in pages], rows.to("tpu"), values.to("tpu"), read.to("tpu"))
+
+    torch.testing.assert_close(result.cpu(), expected)
+    torch.testing.assert_close(tpu_cache.cpu(), cache)
+    assert folded == [(2, 2)]
     assert compile_stats()["fallbacks"] == 0
 
 

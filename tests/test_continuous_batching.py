@@ -14,7 +14,7 @@ from transformers.generation.continuous_batching.initialization import resolve_c
 
 from conftest import tiny_llama
 from hf_tpu.compile import compile_stats
-from hf_tpu.integrations import continuous_batching
+from hf_tpu.integrations import continuous_batching, traced_by_dynamo
 
 MiB = 1 << 20
 
@@ -63,11 +63,10 @@ def test_padded_sizes_bound_the_programs_of_a_run():
     assert len(sizes) <= (math.log2(256 / 16) + 2) * (math.log2(16384 / 256) + 2)
 
 
-def _generate_batch(model, prompts, **generation):
+def _generate_batch(model, prompts, cb_config=None, **generation):
     generation = GenerationConfig(**{"max_new_tokens": 6, "eos_token_id": -1, "pad_token_id": 0, **generation})
-    outputs = model.generate_batch(inputs=prompts, generation_config=generation,
-                                   continuous_batching_config=ContinuousBatchingConfig(num_blocks=8,
-                                                                                       max_batch_tokens=64))
+    cb_config = cb_config or ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=64)
+    outputs = model.generate_batch(inputs=prompts, generation_config=generation, continuous_batching_config=cb_config)
     return [outputs[key].generated_tokens for key in sorted(outputs, key=lambda key: int(key.split("_")[-1]))]
 
 
@@ -98,3 +97,88 @@ def test_sampled_continuous_batching_follows_the_seed():
         torch.manual_seed(1)
         runs.append(_generate_batch(model, prompts, do_sample=True, top_k=0, temperature=1.0))
     assert runs[0] == runs[1] and all(0 <= token < 128 for tokens in runs[0] for token in tokens)
+
+
+def _paged_cache(tokens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's key and value pages as transformers lays them out (a block's key page, then its value page),
+    both views of ``tokens``."""
+    page_shape = (-1, page_size, *tokens.shape[1:])
+    return tokens, tokens.view(page_shape)[:-1], tokens[page_size:].view(page_shape)
+
+
+def _write_and_attend(query, key, value, tokens, block_table, cu_seq_lens_k, keys_read, trash):
+    _, key_pages, value_pages = _paged_cache(tokens, 4)
+    continuous_batching.write_decode_tokens(key_pages, value_pages, key, value, block_table, cu_seq_lens_k, trash)
+    return continuous_batching.paged_decode_attention(query, key_pages, value_pages, block_table, cu_seq_lens_k,
+                                                      keys_read, None)
+
+
+def test_paged_decode_attention_is_attention_over_each_requests_own_tokens():
+    torch.manual_seed(0)
+    page, kv_heads, heads, head_dim = 4, 2, 4, 8
+    tokens = torch.randn(40 * page, kv_heads, head_dim)  # 20 blocks of a key page and a value page
+    lengths = torch.tensor([3, 9, 1, 0, 5])  # with its new token; 0: a padding request
+    blocks = iter((1 + torch.randperm(19)).tolist())  # block 0 holds the write trash
+    block_table = torch.full((5, 3), -1)
+    for request, length in enumerate(lengths.tolist()):
+        for column in range(-(-length // page)):
+            block_table[request, column] = 2 * next(blocks)  # a block's key page, among the layer's pages
+    cu_seq_lens_k = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    query, key, value = torch.randn(1, heads, 5, head_dim), torch.randn(1, kv_heads, 5, head_dim), \
+        torch.randn(1, kv_heads, 5, head_dim)
+
+    written = tokens.clone()
+    out = _write_and_attend(query, key, value, written, block_table, cu_seq_lens_k, 12, 0)
+    _, key_pages, value_pages = _paged_cache(written, page)
+    for request, length in enumerate(lengths.tolist()):
+        if length == 0:
+            continue
+        pages = [p for p in block_table[request].tolist() if p >= 0]
+        keys, values = (torch.cat([cache[p] for p in pages])[:length] for cache in (key_pages, value_pages))
+        assert keys[-1].equal(key[0, :, request]) and values[-1].equal(value[0, :, request])
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, request:request + 1], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            enable_gqa=True)
+        torch.testing.assert_close(out[0, request], expected[0, :, 0])
+    assert not written[0].equal(tokens[0])  # the padding request's key went to the trash
+
+    # compiled as inside a continuous-batching step: traced into one graph (hf_tpu's files are skipped by default)
+    for run in (_write_and_attend, torch.compile(traced_by_dynamo(_write_and_attend), backend="tpu", dynamic=True)):
+        on_tpu = tokens.to("tpu")
+        result = run(*(t.to("tpu") for t in (query, key, value, on_tpu, block_table, cu_seq_lens_k)), 12, 0)
+        torch.testing.assert_close(result.cpu(), out)
+        assert on_tpu.cpu().equal(written)
+
+
+def test_decode_steps_read_each_requests_pages_and_give_cpus_tokens(monkeypatch):
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    decode_batches = []
+    prepare = ContinuousBatchingIOs.prepare_batch_tensors
+
+    def prepare_batch_tensors(self, *args, **kwargs):
+        prepare(self, *args, **kwargs)
+        decode_batches.append(self.use_block_table)
+
+    monkeypatch.setattr(ContinuousBatchingIOs, "prepare_batch_tensors", prepare_batch_tensors)
+    model = tiny_llama(max_position_embeddings=256, initializer_range=0.3).eval()  # tokens that vary
+    lengths = (5, 37, 3, 60, 12, 9, 41, 2, 18, 30, 7, 25)
+    prompts = [torch.randint(3, 120, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+               for length in lengths]
+    config = dict(num_blocks=16, max_batch_tokens=64, page_size=16)
+    expected = _generate_batch(model, prompts, ContinuousBatchingConfig(**config), max_new_tokens=12)
+    assert not any(decode_batches)  # on CPU, transformers keeps the fast path to flash attention on CUDA
+    assert len({tuple(tokens) for tokens in expected}) == len(prompts)
+
+    before = compile_stats()
+    tokens = _generate_batch(model.to("tpu"), prompts, ContinuousBatchingConfig(**config), max_new_tokens=12)
+    assert tokens == expected
+    assert sum(decode_batches) >= 8  # most steps of 12 requests x 12 tokens decode through block tables
+    assert compile_stats()["fallbacks"] == before["fallbacks"]
+    compiled = compile_stats()["compilations"] - before["compilations"]
+    # varlen: query tokens 16, 32 or 64 x tokens read 0 or a power of two from a page; decode: 1 to 16
+    # requests (5 sizes) x 16 to 128 keys read (4 sizes)
+    assert 0 < compiled <= 3 * 5 + 5 * 4
+    unpaged = _generate_batch(model, prompts, ContinuousBatchingConfig(**config, max_blocks_per_request=0),
+                              max_new_tokens=12)
+    assert unpaged == expected  # the path turned off: every step through the mask, the same tokens

@@ -24,6 +24,20 @@ attention mask) are written by transformers slice by slice into static tensors, 
 change every step. For a tpu model these static tensors live on the host, and only the slices a step reads go to
 the chip, one transfer per input; the step's output tokens come back in one transfer.
 
+**Decode steps read only their own pages.** Once every request of a batch has one new token, transformers
+can run the step on its *decode fast path*: each request's keys and values are found through a block table (its
+pages in the cache) instead of through one mask of every query against every cached token of the batch.
+transformers enables it only for flash attention's ``flash_attn_with_kvcache`` on CUDA and XPU. For a tpu model
+with SDPA attention (what continuous batching uses by default) it is enabled here, and the block-table call of
+SDPA runs :func:`paged_decode_attention` (the cache's update first writes the new token into its page,
+:func:`write_decode_tokens`): a gather of each request's keys and one attention per request, all inside the
+step's program. Each request reads as many keys as the longest request of the batch has, padded to a power of
+two from 16 (transformers' ``max_length_k``, which it leaves at 1 on this path), and the block table sent to the
+chip keeps the columns of those keys' pages, so decode steps compile at most
+``(log2(max_requests_per_batch) + 1) * (log2(max_blocks_per_request * page_size / 16) + 1)`` programs, and a
+step's attention reads requests x their keys, not query tokens x every cached token of the batch.
+``max_blocks_per_request=0`` turns the path off, as elsewhere.
+
 ``PagedAttentionCache`` sizes its cache from ``get_device_and_memory_breakdown()``, which knows cuda, xpu and mps
 and, for any other device, reports the host's RAM: for a tpu model it asked for 90% of the host (the process was
 killed while the cache's zeros were written on JAX's CPU platform; a TPU VM's hundreds of GB of RAM would be asked
@@ -37,10 +51,11 @@ whose zeros are written (not lazily mapped as CPU tensors' are), transformers' C
 memory, capped at :data:`HOST_CACHE_BYTES`. An explicit ``num_blocks`` is used as is.
 
 Patches ``PagedAttentionCache.__init__`` and the ``get_device_and_memory_breakdown`` it calls
-(``transformers/generation/continuous_batching/cache.py``), ``resolve_max_memory_percent``
-(``.../initialization.py``), ``ModelRunner.__init__``, ``maybe_pad_inputs`` and ``warmup``
-(``.../model_runner.py``) and
-``ContinuousBatchingIOs`` (``.../input_outputs.py``), transformers 5.2x.
+(``transformers/generation/continuous_batching/cache.py``), ``resolve_continuous_batching_config``,
+``ensure_decode_fast_path_is_available`` and ``resolve_max_memory_percent`` (``.../initialization.py``), the
+``"sdpa"`` entry of ``AttentionInterface`` (``transformers/modeling_utils.py``), ``ModelRunner.__init__``,
+``maybe_pad_inputs`` and ``warmup`` (``.../model_runner.py``) and ``ContinuousBatchingIOs``
+(``.../input_outputs.py``), transformers 5.2x.
 """
 
 from __future__ import annotations
@@ -53,6 +68,8 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from . import traced_by_dynamo
 
 HOST_CACHE_BYTES = 4 << 30
 """The most a paged cache takes by default on JAX's CPU platform (the host's memory)."""
@@ -70,11 +87,14 @@ def _on_chips() -> bool:
 
 
 def _install_tpu_paged_cache(cache: Any) -> None:
-    """A paged cache made for a tpu device sees its chip's memory (``get_device_and_memory_breakdown``) and traces
-    its update into the compiled step (see the module docstring)."""
+    """A paged cache made for a tpu device sees its chip's memory (``get_device_and_memory_breakdown``), traces
+    its update into the compiled step, and on the decode fast path writes the new tokens into their pages
+    (:func:`write_decode_tokens`; see the module docstring)."""
     breakdown, init = cache.get_device_and_memory_breakdown, cache.PagedAttentionCache.__init__
     if getattr(init, "_hf_tpu", False):
         return
+    disabled_update = cache.PagedAttentionCache.update  # torch.compiler.disable'd: undone on tpu (module docstring)
+    traced_update = getattr(disabled_update, "_torchdynamo_orig_callable", disabled_update)
 
     @functools.wraps(breakdown)
     def get_device_and_memory_breakdown() -> tuple[torch.device, int, int, int]:
@@ -96,9 +116,16 @@ def _install_tpu_paged_cache(cache: Any) -> None:
             init(self, config, continuous_batching_config, device, *args, **kwargs)
         finally:
             _SIZED_FOR.reset(sizing)
-        traced_update = getattr(cache.PagedAttentionCache.update, "_torchdynamo_orig_callable", None)
-        if traced_update is not None:
-            self.update = types.MethodType(traced_update, self)
+        self.update = types.MethodType(update, self)
+
+    @traced_by_dynamo  # runs inside the compiled step; hf_tpu's files are skipped by Dynamo otherwise
+    def update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        key_states, value_states = traced_update(self, key_states, value_states, layer_idx, kwargs)
+        if kwargs.get("block_table") is not None:
+            write_decode_tokens(kwargs["k_cache"], kwargs["v_cache"], key_states, value_states, kwargs["block_table"],
+                                kwargs["cu_seq_lens_k"], self.layer_to_allocator[layer_idx].write_trash_index)
+        return key_states, value_states
 
     __init__._hf_tpu = True
     cache.get_device_and_memory_breakdown = get_device_and_memory_breakdown
@@ -121,6 +148,114 @@ def _install_default_share(initialization: Any) -> None:
 
     resolve_max_memory_percent._hf_tpu = True
     initialization.resolve_max_memory_percent = resolve_max_memory_percent
+
+
+_RESOLVING_FOR: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("hf_tpu_cb_config", default=None)
+
+
+def _install_tpu_decode_fast_path(initialization: Any) -> None:
+    """The decode fast path kept for a tpu model with SDPA attention (see the module docstring)."""
+    resolve = initialization.resolve_continuous_batching_config
+    ensure = initialization.ensure_decode_fast_path_is_available
+    if getattr(ensure, "_hf_tpu", False):
+        return
+
+    @functools.wraps(resolve)
+    def resolve_continuous_batching_config(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device", args[4] if len(args) > 4 else None)
+        resolving = _RESOLVING_FOR.set(None if device is None else torch.device(device))
+        try:
+            return resolve(*args, **kwargs)
+        finally:
+            _RESOLVING_FOR.reset(resolving)
+
+    @functools.wraps(ensure)
+    def ensure_decode_fast_path_is_available(config: Any, cb_config: Any, user_requested: bool) -> None:
+        device = _RESOLVING_FOR.get()
+        if device is None or device.type != "tpu" or config._attn_implementation != "sdpa" or not all(
+                initialization.ATTN_TYPE_TO_ALLOCATOR[attn_type].supports_block_table
+                for attn_type in initialization.group_layers_by_attn_type(config)):
+            return ensure(config, cb_config, user_requested)
+
+    ensure_decode_fast_path_is_available._hf_tpu = True
+    initialization.resolve_continuous_batching_config = resolve_continuous_batching_config
+    initialization.ensure_decode_fast_path_is_available = ensure_decode_fast_path_is_available
+
+
+def _decode_lengths(block_table: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> torch.Tensor:
+    """Each request's length with its new token; 0 for a padding request."""
+    requests = block_table.shape[0]
+    return cu_seq_lens_k[1:requests + 1] - cu_seq_lens_k[:requests]
+
+
+def write_decode_tokens(key_pages: torch.Tensor, value_pages: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        block_table: torch.Tensor, cu_seq_lens_k: torch.Tensor, write_trash_index: int) -> None:
+    """Writes each request's new key and value into its page, as flash-attn's ``flash_attn_with_kvcache`` does on
+    transformers' decode fast path.
+
+    ``key``/``value`` are ``[1, Hkv, R, D]``: token ``r`` is request ``r``'s new token. ``key_pages`` and
+    ``value_pages`` are the layer's cache as ``[pages, page_size, Hkv, D]``; row ``r`` of ``block_table``
+    (``[R, columns]``) lists request ``r``'s pages in order, ``-1`` past its last. ``cu_seq_lens_k`` (``[R + 1]``)
+    gives each request's length with its new token, where the token goes (at length - 1); a request of length 0
+    is padding, whose token goes to ``write_trash_index`` (a token of the pages that is never read).
+    """
+    page_size = key_pages.shape[1]
+    lengths = _decode_lengths(block_table, cu_seq_lens_k)
+    position = (lengths - 1).clamp(min=0)
+    page = block_table.gather(1, (position // page_size).unsqueeze(1)).squeeze(1)
+    slot = torch.where((lengths > 0) & (page >= 0), page * page_size + position % page_size, write_trash_index)
+    for pages, new in ((key_pages, key), (value_pages, value)):
+        pages.view(-1, *pages.shape[2:]).index_copy_(0, slot, new[0].transpose(0, 1).to(pages.dtype))
+
+
+def paged_decode_attention(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                           block_table: torch.Tensor, cu_seq_lens_k: torch.Tensor, keys_read: int,
+                           scale: float | None) -> torch.Tensor:
+    """Attention of one new token per request (``query``, ``[1, Hq, R, D]``) over the first length keys and
+    values of that request's pages (the arguments of :func:`write_decode_tokens`, which wrote the new token):
+    the attention of flash-attn's ``flash_attn_with_kvcache``. Each request reads ``keys_read`` tokens (at least
+    the longest request's length, at most its block table's pages) and masks those past its length. Returns
+    ``[1, R, Hq, D]``, the layout transformers' attention functions return. A padding request attends to the
+    first key of page 0."""
+    requests, page_size = block_table.shape[0], key_pages.shape[1]
+    position = torch.arange(keys_read, device=block_table.device)
+    pages = block_table.index_select(1, position // page_size).clamp(min=0)  # past a request's pages: masked
+    tokens = (pages * page_size + position % page_size).reshape(-1)
+    keys, values = (cache.view(-1, *cache.shape[2:]).index_select(0, tokens).view(requests, keys_read, *cache.shape[2:])
+                    .transpose(1, 2).to(query.dtype) for cache in (key_pages, value_pages))
+    mask = position < _decode_lengths(block_table, cu_seq_lens_k).clamp(min=1).unsqueeze(1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query[0].transpose(0, 1).unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=True)  # [R, Hq, 1, D]; also right for as many key/value heads as query heads
+    return out.permute(2, 0, 1, 3)
+
+
+def _install_block_table_sdpa(modeling_utils: Any) -> None:
+    """SDPA called with a block table (the decode fast path, enabled on tpu by
+    :func:`_install_tpu_decode_fast_path`) runs :func:`paged_decode_attention`; other calls are SDPA's own."""
+    mapping = modeling_utils.AttentionInterface._global_mapping
+    sdpa = mapping["sdpa"]
+    if getattr(sdpa, "_hf_tpu", False):
+        return
+
+    @traced_by_dynamo  # runs inside the compiled step; hf_tpu's files are skipped by Dynamo otherwise
+    @functools.wraps(sdpa)
+    def sdpa_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+        block_table = kwargs.get("block_table")
+        if block_table is None:
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        if args or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None \
+                or hasattr(module, "sinks"):
+            raise NotImplementedError(
+                f"{type(module).__name__}: the tpu decode fast path of continuous batching has no attention bias, "
+                "softcap or sinks; turn the path off with ContinuousBatchingConfig(max_blocks_per_request=0)")
+        out = paged_decode_attention(query, kwargs["k_cache"], kwargs["v_cache"], block_table, kwargs["cu_seq_lens_k"],
+                                     kwargs["max_length_k"], kwargs.get("scaling"))
+        return out, None
+
+    sdpa_attention_forward._hf_tpu = True
+    mapping["sdpa"] = sdpa_attention_forward
 
 
 def _power_of_two_at_least(size: int, least: int, most: int) -> int:
@@ -148,8 +283,11 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
     @functools.wraps(init)
     def __init__(self: Any, logit_processor: Any, cb_config: Any, inputs_and_outputs: Any, cache: Any,
                  *args: Any, **kwargs: Any) -> None:
-        if torch.device(cache.device).type == "tpu" and cb_config.varlen_compile_config is None:
-            cb_config.varlen_compile_config = CompileConfig(fullgraph=False, dynamic=True)
+        if torch.device(cache.device).type == "tpu":
+            if cb_config.varlen_compile_config is None:
+                cb_config.varlen_compile_config = CompileConfig(fullgraph=False, dynamic=True)
+            if cb_config.decode_compile_config is None and cache.max_blocks_per_request > 0:
+                cb_config.decode_compile_config = CompileConfig(fullgraph=False, dynamic=True)
         init(self, logit_processor, cb_config, inputs_and_outputs, cache, *args, **kwargs)
 
     @functools.wraps(maybe_pad_inputs)
@@ -192,6 +330,15 @@ def _install_host_staged_inputs(input_outputs: Any) -> None:
         model_kwargs = get_model_kwargs(self, *args, **kwargs)
         if self.model_device is None:
             return model_kwargs
+        block_table = model_kwargs.get("block_table")
+        if block_table is not None:  # the keys each request reads (a power of two), and the pages they are on
+            columns = 1
+            for layer_type, longest in self.max_length_k.items():
+                page_size = self.cache.cache_allocators[layer_type].tokens_per_page
+                keys_read = _power_of_two_at_least(longest, MIN_QUERY_TOKENS, block_table.shape[-1] * page_size)
+                model_kwargs["max_length_k"][layer_type] = keys_read
+                columns = max(columns, -(-keys_read // page_size))
+            model_kwargs["block_table"] = block_table[..., :columns]
         return pytree.tree_map_only(torch.Tensor, lambda tensor: tensor.to(self.model_device), model_kwargs)
 
     @functools.wraps(get_cb_kwargs)
@@ -217,6 +364,8 @@ def install(cache: Any) -> None:
     from . import when_imported
 
     _install_tpu_paged_cache(cache)
+    when_imported("transformers.modeling_utils", _install_block_table_sdpa)
     when_imported("transformers.generation.continuous_batching.initialization", _install_default_share)
+    when_imported("transformers.generation.continuous_batching.initialization", _install_tpu_decode_fast_path)
     when_imported("transformers.generation.continuous_batching.model_runner", _install_compiled_tpu_steps)
     when_imported("transformers.generation.continuous_batching.input_outputs", _install_host_staged_inputs)
