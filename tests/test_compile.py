@@ -283,3 +283,21 @@ def test_a_cpu_tensor_updated_in_place_by_a_compiled_graph_is_written_on_the_cpu
         expected = scaled(x, expected_counter)
         assert counter.device.type == "cpu" and float(counter) == float(expected_counter)
         torch.testing.assert_close(result.cpu(), expected)
+
+
+def _tail_of(tensor, start):
+    return tensor[start:]
+
+
+def test_a_view_of_an_input_at_a_symbolic_offset_is_that_view():
+    """AOTAutograd rebuilds such an output from the tensor the graph returns: it must be the input's view (it read
+    and wrote ``t[0:]``'s elements before)."""
+    buffer = torch.arange(24.0).reshape(12, 2)
+    tpu_buffer = buffer.to("tpu")
+    tail = torch.compile(_tail_of, backend="tpu", dynamic=True)
+    for start in (4, 5):  # the second call: the offset is a symbol of the graph
+        view = tail(tpu_buffer, start)
+        assert view.storage_offset() == 2 * start and view.cpu().equal(buffer[start:])
+    view.mul_(-1)
+    buffer[5:].mul_(-1)
+    assert tpu_buffer.cpu().equal(buffer)

@@ -36,6 +36,7 @@ from ..backend.positions import is_traced
 from ..backend.out_of_memory import raise_if_out_of_memory
 from .graph_ops import GRAPH_LOWERINGS
 from . import fast_call, flex_attention, recompiles, row_updates
+from .output_views import InputViews
 from .graph_random import RANDOM_LOWERINGS
 from .stats import count
 
@@ -362,6 +363,7 @@ class CompiledGraph:
             if not _is_opaque(node) and free_unbacked_symbols(node.meta["val"]):
                 raise NotImplementedError(f"tpu graph mode: graph output {node.name} is a number read from a tensor")
         self._layouts = [_dense_layout(node.meta["val"]) for node in self._tensor_outputs]
+        self._input_views = InputViews(self._tensor_nodes, self._static_nodes, self._tensor_outputs)
         self._executables: collections.OrderedDict[tuple, tuple[Callable, tuple]] = collections.OrderedDict()
         self._signature: tuple | None = None
         self._plan: fast_call.CallPlan | None = None  # see __call__
@@ -531,13 +533,15 @@ class CompiledGraph:
                 storage.write_input(tensors[position], value, device_index)
         if not tensors and not self._constants:  # factories only: results go to the chip, not JAX's default
             outputs = jax.device_put(outputs, runtime.device(device_index))
-        results = iter(zip(outputs, self._tensor_outputs, self._layouts))
+        results = [_wrap(*result, device_index) for result in zip(outputs, self._tensor_outputs, self._layouts)]
+        if self._input_views:
+            self._input_views.replace(results, tensors, call_values)
+        results = iter(results)
         values = dict(zip(self._size_outputs, sizes))
         values.update((node, call_values[slot]) for node, slot in self._size_inputs.items())
         if self._position_slots and self._positions.computed:
             values.update(self._positions.sizes(call_values))
-        return [values[o] if o in values else _wrap(*next(results), device_index) if isinstance(o, fx.Node) else o
-                for o in self._outputs]
+        return [values[o] if o in values else next(results) if isinstance(o, fx.Node) else o for o in self._outputs]
 
     def _compiled(self, donated: tuple[int, ...], static_values: tuple, rng: Any, arrays: list,
                   shardings: tuple | None, views: tuple) -> tuple:
