@@ -77,6 +77,9 @@ HOST_CACHE_BYTES = 4 << 30
 MIN_QUERY_TOKENS = 16
 """The fewest query tokens a compiled continuous-batching step on tpu is padded to."""
 
+MIN_DECODE_KEYS = 16
+"""The fewest keys each request of a decode step on tpu reads (see the module docstring)."""
+
 _SIZED_FOR: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("hf_tpu_paged_cache", default=None)
 
 
@@ -335,7 +338,7 @@ def _install_host_staged_inputs(input_outputs: Any) -> None:
             columns = 1
             for layer_type, longest in self.max_length_k.items():
                 page_size = self.cache.cache_allocators[layer_type].tokens_per_page
-                keys_read = _power_of_two_at_least(longest, MIN_QUERY_TOKENS, block_table.shape[-1] * page_size)
+                keys_read = _power_of_two_at_least(longest, MIN_DECODE_KEYS, block_table.shape[-1] * page_size)
                 model_kwargs["max_length_k"][layer_type] = keys_read
                 columns = max(columns, -(-keys_read // page_size))
             model_kwargs["block_table"] = block_table[..., :columns]
