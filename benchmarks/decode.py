@@ -17,6 +17,9 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
 - ``tpu fused``: the same in fused eager mode (``torch.tpu.set_eager_mode("fused")``);
 - ``tpu stepwise``: ``HF_TPU_STEPWISE_DECODE=1``, transformers' own loop: each decode step compiled by
   generate through the ``"tpu"`` backend, generate's eager ops between steps (fused mode);
+- ``torch cpu beams``, ``tpu beams`` and ``tpu beams stepwise``: beam search (``BEAMS``: 4 beams), on the CPU
+  (dynamic cache, eager), on tpu from a static cache with every step after the first token in one program
+  (:mod:`hf_tpu.compile.beam_loop`), and on tpu through transformers' own loop;
 - ``tpu sampled`` and ``tpu sampled stepwise``: the ``tpu`` and ``tpu stepwise`` runs sampling instead
   with Qwen2.5-Instruct's generation settings (``do_sample=True, top_k=20, top_p=0.8, temperature=0.7,
   repetition_penalty=1.05``, seed 0): their tokens are compared with each other's (the same draws), not with
@@ -128,6 +131,7 @@ def in_eager_mode(mode: str, run):
 
 
 SAMPLING = dict(do_sample=True, top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05)
+BEAMS = dict(num_beams=4)
 # greedy decoding with the settings that read the tokens so far and their count
 SETTINGS = dict(min_new_tokens=NEW_TOKENS, no_repeat_ngram_size=3, repetition_penalty=1.1)
 
@@ -229,6 +233,7 @@ def main() -> None:
     results["torch cpu static"] = timed(
         lambda: hf_generate(model, prompt, cache_implementation="static", disable_compile=True), args.repeats
     )
+    results["torch cpu beams"] = timed(lambda: hf_generate(model, prompt, **BEAMS), args.repeats)
     if not args.skip_inductor:
         inductor = CompileConfig(backend="inductor", mode="default", dynamic=False)
         inductor._compile_all_devices = True
@@ -243,20 +248,24 @@ def main() -> None:
     run_tpu = functools.partial(hf_generate, tpu_model, tpu_prompt, cache_implementation="static")
     run_sampled = functools.partial(run_tpu, **SAMPLING)
     run_settings = functools.partial(run_tpu, **SETTINGS)
+    run_beams = functools.partial(run_tpu, **BEAMS)
     alternated = {"pure jax": run_jax, "tpu": in_eager_mode("strict", run_tpu),
                   "tpu fused": in_eager_mode("fused", run_tpu),
                   "tpu stepwise": stepwise(in_eager_mode("fused", run_tpu)),
                   "tpu sampled": in_eager_mode("strict", run_sampled),
                   "tpu sampled stepwise": stepwise(in_eager_mode("fused", run_sampled)),
                   "tpu settings": in_eager_mode("strict", run_settings),
-                  "tpu settings stepwise": stepwise(in_eager_mode("fused", run_settings))}
+                  "tpu settings stepwise": stepwise(in_eager_mode("fused", run_settings)),
+                  "tpu beams": in_eager_mode("strict", run_beams),
+                  "tpu beams stepwise": stepwise(in_eager_mode("fused", run_beams))}
     results.update(timed_together(alternated, args.repeats))
     host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
 
     reference_tokens = results["torch cpu eager"][1]
     settings_tokens = hf_generate(model, prompt, **SETTINGS)
     cpu_eager_rate = NEW_TOKENS / results["torch cpu eager"][0]
-    best_cpu = max(NEW_TOKENS / results[name][0] for name in results if name.startswith("torch cpu"))
+    best_cpu = max(NEW_TOKENS / results[name][0] for name in results
+                   if name.startswith("torch cpu") and "beams" not in name)
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
     print(f"Decode (greedy; sampled where named), hidden 512, 4 layers, prompt 32, {NEW_TOKENS} new tokens "
           f"(best of {args.repeats})\n")
@@ -264,10 +273,11 @@ def main() -> None:
     for name, (seconds, tokens) in results.items():
         rate = NEW_TOKENS / seconds
         reference = results["tpu sampled stepwise"][1] if name.startswith("tpu sampled") else \
-            settings_tokens if name.startswith("tpu settings") else reference_tokens
+            settings_tokens if name.startswith("tpu settings") else \
+            results["torch cpu beams"][1] if "beams" in name else reference_tokens
         print(f"{name:<21} {rate:9.1f} {rate / cpu_eager_rate:11.2f}x {str(tokens == reference):>13}")
     print("* as cpu eager's; the sampled runs' as tpu sampled stepwise's; the settings runs' as cpu eager's with "
-          "them\n")
+          "them; the beam runs' as cpu beams'\n")
     for name in ("tpu", "tpu fused", "tpu stepwise", "tpu sampled", "tpu sampled stepwise", "tpu settings",
                  "tpu settings stepwise"):
         rate = NEW_TOKENS / results[name][0]
@@ -279,6 +289,13 @@ def main() -> None:
     print(f"tpu settings / tpu plain greedy: {settings_rate:.2f}x")
     report("tokens/s, tpu settings / tpu plain greedy", settings_rate, "x",
            "greedy with min_new_tokens, no_repeat_ngram_size and repetition_penalty (goal: 1x)")
+    beams = {name: NEW_TOKENS / results[name][0] for name in ("torch cpu beams", "tpu beams", "tpu beams stepwise")}
+    print(f"beam search (4 beams): tpu one program / cpu {beams['tpu beams'] / beams['torch cpu beams']:.2f}x, "
+          f"/ tpu stepwise {beams['tpu beams'] / beams['tpu beams stepwise']:.2f}x")
+    report("tokens/s, tpu beams / torch cpu beams", beams["tpu beams"] / beams["torch cpu beams"], "x",
+           "beam search (4 beams) on torch CPU, eager")
+    report("tokens/s, tpu beams / tpu beams stepwise", beams["tpu beams"] / beams["tpu beams stepwise"], "x",
+           "transformers' beam search loop on tpu, a compiled step per token")
     print("host CPU per new token (main thread): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:

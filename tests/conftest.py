@@ -105,6 +105,15 @@ def tiny_llama(**overrides: Any) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**settings, **overrides})).float()
 
 
+def generation_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Llama for generate tests (untied embeddings, pad token 0, eval mode) on CPU, and a copy on tpu."""
+    import copy
+
+    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
+    cpu_model.generation_config.pad_token_id = 0
+    return cpu_model, copy.deepcopy(cpu_model).to("tpu")
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     """A tiny Llama and its offline tokenizer saved with save_pretrained (see tiny_models.py)."""

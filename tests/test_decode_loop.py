@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_llama, to_tpu
+from conftest import generation_pair, tiny_llama, to_tpu
 from hf_tpu.compile import compile_stats, decode_loop
 from tiny_models import Collector
 
@@ -21,9 +21,7 @@ NEW_TOKENS = 10
 
 @pytest.fixture
 def models():
-    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
-    cpu_model.generation_config.pad_token_id = 0
-    return cpu_model, copy.deepcopy(cpu_model).to("tpu")
+    return generation_pair()
 
 
 def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:

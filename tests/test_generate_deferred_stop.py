@@ -4,13 +4,12 @@ generate returns is what it returns on CPU, also when a sequence stops early (th
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import transformers.generation.utils as generation_utils
-from conftest import tiny_llama, to_tpu
+from conftest import generation_pair, to_tpu
 from hf_tpu.backend import checks
 from tiny_models import Collector
 
@@ -24,9 +23,7 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def models():
-    cpu_model = tiny_llama(tie_word_embeddings=False).eval()
-    cpu_model.generation_config.pad_token_id = 0
-    return cpu_model, copy.deepcopy(cpu_model).to("tpu")
+    return generation_pair()
 
 
 def _prompt(batch: int = 1) -> torch.Tensor:

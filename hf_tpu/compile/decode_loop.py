@@ -144,19 +144,12 @@ class _Step(torch.nn.Module):
         self._encoder_output_type = encoder_output_type
 
     def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor]:
-        layers = len(_layers(self._cache))
-        saved = _layer_state(self._cache)
-        try:
-            _set_layer_state(self._cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
-            inputs = dict(zip(self._input_names, arguments[3 * layers:]))
-            tokens, length = inputs.pop(_TOKENS, None), inputs.pop(_LENGTH, None)
-            given = _form_inputs(self._processors, "processor", inputs)
-            criteria_given = _form_inputs(self._criteria, "criterion", inputs)
-            if self._encoder_output_type is not None:
-                inputs[_ENCODER] = self._encoder_output_type(last_hidden_state=inputs[_ENCODER])
-            logits = self.model(**inputs, **{self._cache_key: self._cache}, **self._constants).logits
-        finally:
-            _set_layer_state(self._cache, *saved)
+        inputs = dict(zip(self._input_names, arguments[3 * len(_layers(self._cache)):]))
+        tokens, length = inputs.pop(_TOKENS, None), inputs.pop(_LENGTH, None)
+        given = _form_inputs(self._processors, "processor", inputs)
+        criteria_given = _form_inputs(self._criteria, "criterion", inputs)
+        logits = forward(self.model, self._cache, self._cache_key, self._constants, arguments, inputs,
+                         self._encoder_output_type)
         chosen = next_tokens(logits, lambda scores: decode_processors.process(
             self._processors, tokens, scores, length, given), self._do_sample)
         stopped = ()
@@ -166,6 +159,22 @@ class _Step(torch.nn.Module):
                      for criterion, its_inputs in zip(self._criteria, criteria_given)]
             stopped = (functools.reduce(torch.logical_or, meets),)
         return (chosen["tokens"], *(chosen[name] for name in self._outputs), *stopped)
+
+
+def forward(model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, arguments: Sequence[torch.Tensor],
+            inputs: dict, encoder_output_type: type | None) -> torch.Tensor:
+    """The logits of the model's forward on ``inputs`` with the cache's layers' keys, values and lengths taken from
+    the first of a step's ``arguments`` (the cache is left as it was); an encoder-decoder model's
+    ``encoder_outputs`` come in as their last hidden state and go to the model as ``encoder_output_type``."""
+    layers = len(_layers(cache))
+    saved = _layer_state(cache)
+    try:
+        _set_layer_state(cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
+        if encoder_output_type is not None:
+            inputs[_ENCODER] = encoder_output_type(last_hidden_state=inputs[_ENCODER])
+        return model(**inputs, **{cache_key: cache}, **constants).logits
+    finally:
+        _set_layer_state(cache, *saved)
 
 
 def _token_name(inputs: Any) -> str:
@@ -211,32 +220,20 @@ def _compiling() -> Iterator[None]:
         torch.compiler._is_compiling_flag = compiling
 
 
-class _Program:
-    """The traced step of one input signature and its decode loop, jitted with and without donating the cache.
+class TracedStep:
+    """A decode step traced as AOTAutograd traces graph mode's graphs (functionalized, below autograd, with graph
+    mode's decompositions; ``aot_export_module``) and lowered by graph mode, for a loop on the chip to run.
 
-    The step is traced as AOTAutograd traces graph mode's graphs (functionalized, below autograd, with graph
-    mode's decompositions; ``aot_export_module``) and lowered by graph mode. Its inputs are the model's
-    parameters and buffers, then the cache's tensors, ``input_ids`` (the token) and, if generate passes them,
-    ``attention_mask`` (2D, the cache's length) and ``position_ids``, and the tokens so far for a repetition
-    penalty; each step writes the cache, and the loop sets the next token, marks its column of the mask, adds
-    one to the positions and writes the token into the tokens so far, as generate's
-    ``_update_model_kwargs_for_generation`` and its loop do. An encoder-decoder model's step takes
-    ``decoder_input_ids`` (the token), the encoder's last hidden state and its ``attention_mask`` (the encoder's,
-    which stays as it is). ``choice``: the logits processors and whether the token is
-    drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
+    ``step`` takes the cache's layers' keys, values and lengths, then ``inputs`` (by name, in order), positionally;
+    it may write the cache's tensors in place, and nothing else, and returns ``outputs`` tensors. The program's
+    inputs are the model's parameters and buffers, then the cache's tensors, then ``inputs``; ``draws``: its random
+    ops (its keys come first)."""
 
-    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
-                 choice: tuple, criteria: Sequence, outputs: tuple[str, ...],
-                 encoder_output_type: type | None = None) -> None:
+    def __init__(self, step: torch.nn.Module, cache: Any, inputs: dict, outputs: int, draws: int) -> None:
         from torch._functorch.aot_autograd import aot_export_module
 
         from .backend import decompositions, lower
 
-        step = _Step(model, cache, cache_key, constants, list(inputs), choice, criteria, outputs,
-                     encoder_output_type)
-        self._token_name = _token_name(inputs)
-        # the mask the loop extends by a column a step: a decoder's own (an encoder-decoder's is the encoder's)
-        self._growing_mask = "attention_mask" if self._token_name == "input_ids" else None
         state = [*_layer_tensors(cache), *inputs.values()]
         with torch.no_grad(), _compiling():
             graph_module, signature = aot_export_module(step, state, trace_joint=False,
@@ -255,20 +252,15 @@ class _Program:
         results = [node.name for node in graph_module.graph.find_nodes(op="output")[0].args[0]]
         self._updates = [(results.index(output), user_inputs.index(target))
                          for output, target in signature.user_inputs_to_mutate.items()]
-        if any(slot not in self._cache_slots for _, slot in self._updates) or \
-                len(signature.user_outputs) != 1 + len(outputs) + bool(criteria):
+        if any(slot not in self._cache_slots for _, slot in self._updates) or len(signature.user_outputs) != outputs:
             raise NotImplementedError("the decode step updates inputs other than the cache")
-        self._token = results.index(signature.user_outputs[0])
         named = {node.name: node for node in graph_module.graph.nodes}
         # each of the step's outputs: its place among the graph's results, and its shape and dtype
-        self._outputs = [(results.index(name), tuple(named[name].meta["val"].shape), named[name].meta["val"].dtype)
-                         for name in signature.user_outputs[1:1 + len(outputs)]]
-        self._stopped = results.index(signature.user_outputs[-1]) if criteria else None
-        self._draws = int(choice[1])  # random ops in a step: the draw of the token, if it is drawn
-        self._function = graph.pure_function(fold_constants=False, draws=self._draws)
+        self._results = [(results.index(name), tuple(named[name].meta["val"].shape), named[name].meta["val"].dtype)
+                         for name in signature.user_outputs]
+        self._draws = draws
+        self._function = graph.pure_function(fold_constants=False, draws=draws)
         self._capacity = _layers(cache)[0].max_cache_len
-        self._loops = {donate: jax.jit(self._loop, static_argnums=(4, 5), donate_argnums=(1,) if donate else ())
-                       for donate in (False, True)}
 
     def weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The program's weights: the model's parameters and buffers now (they may have been updated in place
@@ -277,6 +269,82 @@ class _Program:
         return [*(model.get_parameter(target.removeprefix("model.")) if kind == "PARAMETER"
                   else model.get_buffer(target.removeprefix("model.")) for target, kind in self._weights),
                 *self._constants]
+
+    def _call(self, weights: list, state: list, stream: Any, count: Any, check: Any) -> tuple[list, Any]:
+        """Traced: step ``count`` on ``state`` (the cache's arrays, then the inputs'), which gets the cache's new
+        arrays; returns the step's results and the first failed check of the steps so far (``check``'s, or this
+        step's)."""
+        keys = (_keys(stream, count, self._draws),) if self._draws else ()
+        results, _, step_check = self._function(*keys, *weights[:len(self._weights)], *state,
+                                                *weights[len(self._weights):])
+        for result, slot in self._updates:
+            state[slot] = results[result]
+        if step_check is not None:
+            check = jnp.where(check[0] != 0, check, step_check)
+        return results, check
+
+    def _arrays(self, model: torch.nn.Module, cache: Any, inputs: list[torch.Tensor],
+                device_index: int) -> tuple[list, list, list, int]:
+        """The program's weights, the cache's arrays and ``inputs``' arrays, on one mesh if the model's weights are
+        sharded over one, and the chip that results go to. The cache's arrays are held by the list returned and
+        by their storages only, so that the program may be given them (:meth:`_donating`)."""
+        weights, cache_tensors = self.weights(model), _layer_tensors(cache)
+        tensors = [*weights, *cache_tensors, *inputs]
+        arrays = [graph_lowering._read(tensor, device_index) for tensor in tensors]
+        arrays, device_index, _ = graph_lowering._on_one_mesh(tensors, arrays, device_index)
+        first, last = len(weights), len(weights) + len(cache_tensors)
+        weights, others = arrays[:first], arrays[last:]
+        del arrays[:first], arrays[last - first:]
+        return weights, arrays, others, device_index
+
+    @staticmethod
+    def _donating(cache: Any, arrays: list) -> bool:
+        """Whether the cache's ``arrays`` can be donated to a program run (none is held elsewhere)."""
+        passed = storage.occurrences(arrays)
+        return all(storage.donatable(tensor, arrays, i, passed) for i, tensor in enumerate(_layer_tensors(cache)))
+
+    def _ran(self, cache: Any, arrays: list, written: tuple, check: Any, steps: Any, device_index: int) -> int:
+        """Records a program run of ``steps`` steps: the cache's tensors hold the ``written`` arrays (and so does
+        ``arrays``, for the next run), the check is deferred, the device's random stream advanced past the
+        steps' draws. Returns the number of steps."""
+        arrays.clear()
+        for tensor, value in zip(_layer_tensors(cache), written):
+            storage.write(tensor, value)
+        arrays.extend(written)
+        if checks.mode() != "off":
+            dispatch.defer_check(check, device_index)
+        count("decode_loops")
+        steps = int(steps)
+        random_state.advance(device_index, steps * self._draws)
+        return steps
+
+
+class _Program(TracedStep):
+    """The traced step of one input signature and its decode loop, jitted with and without donating the cache.
+
+    The step's inputs are the cache's tensors, ``input_ids`` (the token) and, if generate passes them,
+    ``attention_mask`` (2D, the cache's length) and ``position_ids``, and the tokens so far for a repetition
+    penalty; each step writes the cache, and the loop sets the next token, marks its column of the mask, adds
+    one to the positions and writes the token into the tokens so far, as generate's
+    ``_update_model_kwargs_for_generation`` and its loop do. An encoder-decoder model's step takes
+    ``decoder_input_ids`` (the token), the encoder's last hidden state and its ``attention_mask`` (the encoder's,
+    which stays as it is). ``choice``: the logits processors and whether the token is
+    drawn (a draw's key comes from the device's random stream, as transformers' loop draws it)."""
+
+    def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
+                 choice: tuple, criteria: Sequence, outputs: tuple[str, ...],
+                 encoder_output_type: type | None = None) -> None:
+        step = _Step(model, cache, cache_key, constants, list(inputs), choice, criteria, outputs,
+                     encoder_output_type)
+        super().__init__(step, cache, inputs, 1 + len(outputs) + bool(criteria), int(choice[1]))
+        self._token_name = _token_name(inputs)
+        # the mask the loop extends by a column a step: a decoder's own (an encoder-decoder's is the encoder's)
+        self._growing_mask = "attention_mask" if self._token_name == "input_ids" else None
+        self._token = self._results[0][0]
+        self._outputs = self._results[1:1 + len(outputs)]
+        self._stopped = self._results[-1][0] if criteria else None
+        self._loops = {donate: jax.jit(self._loop, static_argnums=(4, 5), donate_argnums=(1,) if donate else ())
+                       for donate in (False, True)}
 
     def _loop(self, weights: list, cache: tuple, inputs: tuple, limits: tuple, pad_finished: bool,
               rows: int) -> tuple:
@@ -293,11 +361,7 @@ class _Program:
         def step(carry: tuple) -> tuple:
             count, state, unfinished, length, tokens, outputs_so_far, check = carry
             state = list(state)
-            keys = (_keys(stream, count, self._draws),) if self._draws else ()
-            outputs, _, step_check = self._function(*keys, *weights[:len(self._weights)], *state,
-                                                    *weights[len(self._weights):])
-            for result, slot in self._updates:
-                state[slot] = outputs[result]
+            outputs, check = self._call(weights, state, stream, count, check)
             outputs_so_far = tuple(written.at[count].set(outputs[result], mode="drop")
                                    for written, (result, _, _) in zip(outputs_so_far, self._outputs))
             token = outputs[self._token].astype(tokens.dtype)
@@ -318,8 +382,6 @@ class _Program:
                 state[slots[_TOKENS]] = state[slots[_TOKENS]].at[:, length - 1].set(token, mode="drop")
             if _LENGTH in slots:
                 state[slots[_LENGTH]] = length.astype(state[slots[_LENGTH]].dtype)
-            if step_check is not None:
-                check = jnp.where(check[0] != 0, check, step_check)
             return count + 1, tuple(state), unfinished, length, tokens, outputs_so_far, check
 
         def going(carry: tuple) -> Any:
@@ -342,35 +404,22 @@ class _Program:
         pad_finished = pad is not None
         eos = input_ids.new_zeros(0) if eos is None else eos.reshape(-1)
         pad = input_ids.new_zeros(()) if pad is None else pad
-        weights, cache_tensors = self.weights(model), _layer_tensors(cache)
-        tensors = [*weights, *cache_tensors, *(inputs[name] for name in self._slots), unfinished, eos, pad]
-        device_index = storage.buffer_of(input_ids).device_index
-        arrays = [graph_lowering._read(tensor, device_index) for tensor in tensors]
-        arrays, device_index, _ = graph_lowering._on_one_mesh(tensors, arrays, device_index)
-        first, last = len(weights), len(weights) + len(cache_tensors)
-        weights, step_inputs, (unfinished, eos, pad) = arrays[:first], tuple(arrays[last:-3]), arrays[-3:]
-        del arrays[:first], arrays[last - first:]  # the cache's arrays, held here and by their storages only
+        weights, arrays, others, device_index = self._arrays(
+            model, cache, [*(inputs[name] for name in self._slots), unfinished, eos, pad],
+            storage.buffer_of(input_ids).device_index)
+        step_inputs, (unfinished, eos, pad) = tuple(others[:-3]), others[-3:]
         rows = (chunk or max_length - length) if self._outputs else 0  # the most steps a run takes
         left = max_length - length  # the most tokens still to come
         length, max_length = jnp.asarray(length, jnp.int64), jnp.asarray(max_length, jnp.int64)
         budget = jnp.asarray(chunk or self._capacity, jnp.int64)
         while True:
             stream = np.array(random_state.position(device_index), np.uint64)
-            passed = storage.occurrences(arrays)
-            donate = all(storage.donatable(tensor, arrays, i, passed) for i, tensor in enumerate(cache_tensors))
-            steps, tokens, outputs, written, step_inputs, unfinished, length, check = self._loops[donate](
+            steps, tokens, outputs, written, step_inputs, unfinished, length, check = self._loops[
+                self._donating(cache, arrays)](
                 weights, tuple(arrays), step_inputs, (unfinished, eos, pad, length, max_length, budget, stream),
                 pad_finished, rows)
-            arrays.clear()
-            for tensor, value in zip(cache_tensors, written):
-                storage.write(tensor, value)
-            arrays.extend(written)
+            steps = self._ran(cache, arrays, written, check, steps, device_index)
             del written
-            if checks.mode() != "off":
-                dispatch.defer_check(check, device_index)
-            count("decode_loops")
-            steps = int(steps)
-            random_state.advance(device_index, steps * self._draws)
             yield _on_chip(tokens, input_ids.dtype, device_index)[:, :steps], tuple(
                 _on_chip(output, dtype, device_index)[:steps] for output, (_, _, dtype) in zip(outputs, self._outputs))
             left -= steps
@@ -410,6 +459,53 @@ def _signature(tensor: torch.Tensor) -> tuple:
     return tuple(tensor.shape), tensor.dtype, tensor.device
 
 
+def split_inputs(step_inputs: dict, cache_key: str) -> tuple[dict, dict, type | None]:
+    """A decode step's model inputs (``prepare_inputs_for_generation``'s) as a program takes them: its tensors by
+    name (an encoder-decoder model's encoder outputs as their last hidden state), its other inputs (constants of
+    the trace) and the type of the encoder's outputs (``None`` for a decoder)."""
+    tensors = {name: value for name, value in step_inputs.items() if isinstance(value, torch.Tensor)}
+    encoder_output_type = None
+    if step_inputs.get(_ENCODER) is not None:
+        encoder_outputs = step_inputs[_ENCODER]
+        held = {name: value for name, value in encoder_outputs.items() if value is not None}
+        if list(held) != ["last_hidden_state"]:
+            raise NotImplementedError("the encoder's outputs hold more than its last hidden state")
+        tensors[_ENCODER], encoder_output_type = held["last_hidden_state"], type(encoder_outputs)
+    constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
+    return tensors, constants, encoder_output_type
+
+
+def add_form_inputs(tensors: dict, processors: Sequence, criteria: Sequence) -> None:
+    """Adds the tensors of the processors and criteria as run (:attr:`~decode_processors.LoopProcessor.inputs`) to
+    a step's ``tensors``."""
+    for kind, forms in (("processor", processors), ("criterion", criteria)):
+        for index, form in enumerate(forms):
+            for name, value in getattr(form, "inputs", {}).items():
+                tensors[_form_input(kind, index, name)] = value
+
+
+def program_for(model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, tensors: dict, choosing: tuple,
+                make: Callable[[], TracedStep]) -> TracedStep:
+    """The model's program for a step of these inputs and ``choosing`` (what else the step depends on), made by
+    ``make`` if none is kept; raises ``NotImplementedError`` if it cannot be made."""
+    try:
+        key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
+               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing,
+               _forward_fingerprint(model))
+        hash(key)
+    except TypeError as error:  # an unhashable constant or hook
+        raise NotImplementedError(f"the decode step's inputs cannot key a program ({error})") from error
+    programs = _programs.setdefault(model, collections.OrderedDict())
+    program = graph_lowering._lookup(programs, key)
+    if program is None:
+        try:
+            program = make()
+        except Exception as error:  # tracing or lowering failed: the caller decodes step by step
+            raise NotImplementedError(f"{type(error).__name__}: {error}") from error
+        graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)
+    return program
+
+
 def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, unfinished: torch.Tensor,
            sequences: torch.Tensor, limits: tuple[int, torch.Tensor | None, torch.Tensor | None],
            choice: tuple = ((), False), criteria: Sequence = (), chunk: int | None = None,
@@ -429,15 +525,7 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then decodes step by step
     and records it with :func:`mark_unsupported`).
     """
-    tensors = {name: value for name, value in step_inputs.items() if isinstance(value, torch.Tensor)}
-    encoder_output_type = None
-    if step_inputs.get(_ENCODER) is not None:
-        encoder_outputs = step_inputs[_ENCODER]
-        held = {name: value for name, value in encoder_outputs.items() if value is not None}
-        if list(held) != ["last_hidden_state"]:
-            raise NotImplementedError("the encoder's outputs hold more than its last hidden state")
-        tensors[_ENCODER], encoder_output_type = held["last_hidden_state"], type(encoder_outputs)
-    constants = {name: value for name, value in step_inputs.items() if name not in tensors and name != cache_key}
+    tensors, constants, encoder_output_type = split_inputs(step_inputs, cache_key)
     processors, do_sample = choice
     max_length = limits[0]
     if not runs_in_the_loop(processors, criteria):
@@ -449,25 +537,9 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
         # as wide as the cache (bucketed), not as the prompt plus the new tokens: one program for every prompt length
         tensors[_TOKENS] = torch.nn.functional.pad(sequences, (0, _layers(cache)[0].max_cache_len - sequences.shape[1]))
         tensors[_LENGTH] = torch.tensor(sequences.shape[1], device=sequences.device)
-    for kind, forms in (("processor", processors), ("criterion", criteria)):
-        for index, form in enumerate(forms):
-            for name, value in getattr(form, "inputs", {}).items():
-                tensors[_form_input(kind, index, name)] = value
+    add_form_inputs(tensors, processors, criteria)
     choosing = decode_processors.key(processors), do_sample, decode_processors.key(criteria)
-    try:
-        key = (cache_key, tuple(sorted(constants.items())), tuple((name, _signature(value)) for name, value in
-               sorted(tensors.items())), tuple(map(_signature, _layer_tensors(cache))), choosing, outputs,
-               encoder_output_type, _forward_fingerprint(model))
-        hash(key)
-    except TypeError as error:  # an unhashable constant or hook
-        raise NotImplementedError(f"the decode step's inputs cannot key a program ({error})") from error
-    programs = _programs.setdefault(model, collections.OrderedDict())
-    program = graph_lowering._lookup(programs, key)
-    if program is None:
-        try:
-            program = _Program(model, cache, cache_key, constants, tensors, (processors, do_sample), criteria,
-                               outputs, encoder_output_type)
-        except Exception as error:  # tracing or lowering failed: the caller decodes step by step
-            raise NotImplementedError(f"{type(error).__name__}: {error}") from error
-        graph_lowering._store(programs, key, program, _PROGRAMS_PER_MODEL)
+    program = program_for(model, cache, cache_key, constants, tensors, (choosing, outputs, encoder_output_type),
+                          lambda: _Program(model, cache, cache_key, constants, tensors, (processors, do_sample),
+                                           criteria, outputs, encoder_output_type))
     return program.run(model, cache, tensors, unfinished, (sequences.shape[1], *limits), chunk)

@@ -319,6 +319,23 @@ def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
     return max_length, torch.cat(eos) if eos else None, pad
 
 
+def _check_step_inputs(step_inputs: dict, cache: Any, cache_key: str, encoder_decoder: bool) -> None:
+    """Raises ``NotImplementedError`` unless a decode step's model inputs are what the one-program loops carry
+    from step to step: a token, maybe positions and a 2D mask of the cache's length (an encoder-decoder's: the
+    encoder's), and the cache."""
+    mask = step_inputs.get("attention_mask")
+    # a decoder's mask covers the cache and grows by a column a step; an encoder-decoder's is the encoder's
+    mask_length = step_inputs["encoder_outputs"][0].shape[1] if encoder_decoder else \
+        _decoder_static_cache(cache).layers[0].max_cache_len
+    if (
+        step_inputs.get(cache_key) is not cache
+        or (mask is not None and (mask.ndim != 2 or mask.shape[-1] != mask_length))
+        or any(isinstance(value, torch.Tensor) for name, value in step_inputs.items() if name not in _STEP_TENSORS)
+        or not isinstance(step_inputs.get("decoder_input_ids" if encoder_decoder else "input_ids"), torch.Tensor)
+    ):
+        raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
+
+
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
                            stopping_criteria: Any, generation_config: Any, streamer: Any,
                            model_kwargs: dict) -> Any:
@@ -359,18 +376,8 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     unfinished = ~stopping_criteria(sequences, None)
     step_inputs = model.prepare_inputs_for_generation(sequences, next_sequence_length=1, **kwargs)
     step_inputs["return_dict"] = True
-    mask = step_inputs.get("attention_mask")
-    # a decoder's mask covers the cache and grows by a column a step; an encoder-decoder's is the encoder's
-    mask_length = step_inputs["encoder_outputs"][0].shape[1] if encoder_decoder else \
-        _decoder_static_cache(cache).layers[0].max_cache_len
     try:
-        if (
-            step_inputs.get(cache_key) is not cache
-            or (mask is not None and (mask.ndim != 2 or mask.shape[-1] != mask_length))
-            or any(isinstance(value, torch.Tensor) for name, value in step_inputs.items() if name not in _STEP_TENSORS)
-            or not isinstance(step_inputs.get("decoder_input_ids" if encoder_decoder else "input_ids"), torch.Tensor)
-        ):
-            raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
+        _check_step_inputs(step_inputs, cache, cache_key, encoder_decoder)
         with model._optimize_model_for_decode():
             pieces = decode_loop.decode(model, cache, cache_key, step_inputs, unfinished, sequences, limits, choice,
                                         [c for c in stopping_criteria if c not in between_runs], chunk, wanted)
@@ -427,6 +434,97 @@ def _install_decode_in_one_program(mixin: Any) -> None:
     mixin._sample = sample_in_one_program
 
 
+def _beam_search_in_one_program_allowed(model: Any, input_ids: torch.Tensor, logits_processor: Any,
+                                        stopping_criteria: Any, generation_config: Any, synced_gpus: bool,
+                                        model_kwargs: dict) -> str | None:
+    """The key of the cache in ``model_kwargs`` when ``_beam_search`` can search after the first token as one
+    program (:mod:`hf_tpu.compile.beam_loop`): as for greedy decoding (:func:`_one_program_cache_key`), with no
+    per-step scores or logits asked for and no criterion checked between program runs, and the maximum length
+    transformers' criteria stop at is the generation config's."""
+    from ..compile import decode_loop
+
+    cache_key = _one_program_cache_key(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus, model_kwargs)
+    if (
+        cache_key is None or generation_config.low_memory
+        or (generation_config.return_dict_in_generate and any(getattr(generation_config, option)
+                                                              for option in _STEP_OUTPUTS))
+        or any(map(decode_loop.checked_between_runs, stopping_criteria))
+        or stopping_criteria.max_length != generation_config.max_length
+    ):
+        return None
+    return cache_key
+
+
+def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, input_ids: torch.Tensor,
+                                 logits_processor: Any, stopping_criteria: Any, generation_config: Any,
+                                 model_kwargs: dict) -> Any:
+    """``_beam_search``: the prefill and first token as transformers does them, then every later step in one
+    program; falls back to transformers' loop (from the start, on a reset cache) if the step cannot be one
+    program."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from ..compile import beam_loop, decode_loop
+
+    model.get_compiled_call(generation_config.compile_config)  # as for greedy decoding (_decode_in_one_program)
+    kwargs = dict(model_kwargs)
+    cache = kwargs[cache_key]
+    stream = torch.tpu.get_rng_state(input_ids.device)
+    pad_token_id, eos_token_id = generation_config._pad_token_tensor, generation_config._eos_token_tensor
+    fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1  # transformers' output_fill_value
+    settings = beam_loop.Settings.of(generation_config, input_ids.shape[0], eos_token_id)
+    prompt_length = input_ids.shape[1]
+    beams = beam_loop.start(input_ids, settings, _decoder_static_cache(cache).layers[0].max_cache_len, int(fill),
+                            generation_config.max_length)
+    outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
+    encoder_decoder = model.config.is_encoder_decoder
+    kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=encoder_decoder)
+    beams, beam_idx = beam_loop.advance(model, beams, outputs.logits, settings,
+                                        lambda tokens, scores: logits_processor(tokens[:, :prompt_length], scores),
+                                        lambda sequences: stopping_criteria(sequences[:, :prompt_length + 1], None))
+    del outputs
+    beam_loop.reorder(cache, beam_idx)
+    running = model._flatten_beam_dim(beams["running_sequences"][:, :, :prompt_length + 1])
+    step_inputs = model.prepare_inputs_for_generation(running, next_sequence_length=1, **kwargs)
+    step_inputs["return_dict"] = True
+    eos = [criterion.eos_token_id.reshape(-1) for criterion in stopping_criteria
+           if isinstance(criterion, EosTokenCriteria)]
+    criteria = [criterion for criterion in stopping_criteria
+                if not isinstance(criterion, (EosTokenCriteria, MaxLengthCriteria))]
+    try:
+        _check_step_inputs(step_inputs, cache, cache_key, encoder_decoder)
+        with model._optimize_model_for_decode():
+            beams = beam_loop.search(model, cache, cache_key, step_inputs, beams, settings, list(logits_processor),
+                                     criteria, torch.cat(eos) if eos else None, input_ids)
+    except NotImplementedError as error:
+        decode_loop.mark_unsupported(model, str(error))
+        cache.reset()
+        torch.tpu.set_rng_state(stream, input_ids.device)
+        return beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                           **model_kwargs)
+    return beam_loop.result(model, beams, generation_config, cache, prompt_length)
+
+
+def _install_beam_search_in_one_program(mixin: Any) -> None:
+    beam_search = mixin._beam_search
+    if getattr(beam_search, "_hf_tpu", False) or not hasattr(mixin, "_prefill"):
+        return
+
+    @functools.wraps(beam_search)
+    def beam_search_in_one_program(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                                   generation_config: Any, synced_gpus: bool = False, **model_kwargs: Any) -> Any:
+        cache_key = _beam_search_in_one_program_allowed(self, input_ids, logits_processor, stopping_criteria,
+                                                        generation_config, synced_gpus, model_kwargs)
+        if cache_key is None:
+            return beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                               synced_gpus=synced_gpus, **model_kwargs)
+        return _search_beams_in_one_program(self, beam_search, cache_key, input_ids, logits_processor,
+                                            stopping_criteria, generation_config, model_kwargs)
+
+    beam_search_in_one_program._hf_tpu = True
+    mixin._beam_search = beam_search_in_one_program
+
+
 def install(module: Any) -> None:
     """Wraps ``_prepare_cache_for_generation``, ``generate``, ``_sample``, ``DeferredStopCheck`` and
     ``create_masks_for_generate`` of ``transformers.generation.utils`` and the static cache's
@@ -438,6 +536,7 @@ def install(module: Any) -> None:
         _install_in_graph_decode_mask(module)
     mixin = module.GenerationMixin
     _install_decode_in_one_program(mixin)
+    _install_beam_search_in_one_program(mixin)
     prepare = mixin._prepare_cache_for_generation
     generate = mixin.generate
     if getattr(prepare, "_hf_tpu", False):
