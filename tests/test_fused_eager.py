@@ -17,7 +17,7 @@ import torch
 import four_chips
 import hf_tpu
 from conftest import tiny_llama
-from hf_tpu.backend import checks, dispatch, fused, runtime, storage
+from hf_tpu.backend import checks, dispatch, fused, runtime, segmented_cache, storage
 
 
 @pytest.fixture(autouse=True)
@@ -466,7 +466,7 @@ def test_a_cycle_of_structures_longer_than_the_cache_runs_evicted_ones_op_by_op(
     """A generate loop gives each step a new chain structure (its token tensors grow), and the next call the same
     cycle again: evicted programs are not built again at each run; their chains run op by op, as strict mode."""
     monkeypatch.setattr(fused, "PROGRAM_CACHE_SIZE", 2)
-    monkeypatch.setattr(fused, "_programs", type(fused._programs)())
+    monkeypatch.setattr(fused, "_programs", segmented_cache.SegmentedCache(lambda: fused.PROGRAM_CACHE_SIZE))
     monkeypatch.setattr(fused, "_built", type(fused._built)())
     expected = [in_mode("strict", _gathered_chain, n, n - 1) for n in (1, 2, 3)]
     fused.reset_stats()
@@ -481,6 +481,34 @@ def test_a_cycle_of_structures_longer_than_the_cache_runs_evicted_ones_op_by_op(
     with pytest.raises(IndexError) as fused_error:
         in_mode("fused", _gathered_chain, 1, 5)
     assert fused.stats()["op_by_op"] == 3 and str(fused_error.value) == str(strict_error.value)
+
+
+def test_an_evicted_structure_that_comes_back_twice_in_a_short_cycle_gets_its_program_again(monkeypatch):
+    """A loop body whose programs another workload evicted (a generate with growing token tensors between two
+    decodes) runs op by op once, then, coming back within half the cache's size of chain runs, is built again."""
+    monkeypatch.setattr(fused, "PROGRAM_CACHE_SIZE", 2)
+    monkeypatch.setattr(fused, "_programs", segmented_cache.SegmentedCache(lambda: fused.PROGRAM_CACHE_SIZE))
+    monkeypatch.setattr(fused, "_built", type(fused._built)())
+    expected = [in_mode("strict", _gathered_chain, n, n - 1) for n in (1, 2, 3, 4)]
+    fused.reset_stats()
+    for n in (1, 2, 3, 4, 1, 1, 1):  # 1 built, evicted by 2, 3 and 4; back: op by op, built, found
+        assert_bitwise(in_mode("fused", _gathered_chain, n, n - 1), expected[n - 1])
+    stats = fused.stats()
+    assert stats["op_by_op"] == 1 and stats["program_misses"] == 6 and stats["program_hits"] == 1
+
+
+def test_one_off_chains_do_not_evict_a_loop_bodys_program(monkeypatch):
+    """Programs found in the cache are evicted after those never found: a loop body's program outlives a run of
+    one-off chains (a generate whose token tensors grow, between two runs of the loop)."""
+    monkeypatch.setattr(fused, "PROGRAM_CACHE_SIZE", 4)
+    monkeypatch.setattr(fused, "_programs", segmented_cache.SegmentedCache(lambda: fused.PROGRAM_CACHE_SIZE))
+    monkeypatch.setattr(fused, "_built", type(fused._built)())
+    expected = [in_mode("strict", _gathered_chain, n, n - 1) for n in range(1, 9)]
+    fused.reset_stats()
+    for n in (1, 1, *range(2, 9), 1):  # 1 built and found, 2..8 built once each, 1 found again
+        assert_bitwise(in_mode("fused", _gathered_chain, n, n - 1), expected[n - 1])
+    stats = fused.stats()
+    assert stats["program_hits"] == 2 and stats["program_misses"] == 8 and stats["op_by_op"] == 0
 
 
 @pytest.mark.parametrize("bound, value, size", [("MAX_OPS", 4, 3), ("MAX_WORK", 100, 30)], ids=["ops", "work"])
@@ -710,7 +738,7 @@ def test_without_isolation_chains_keep_each_ops_rounding(monkeypatch):
     multiply-add may be contracted). Whether XLA's GPU compiler keeps the bfloat16 rounding is checked on a GPU,
     where every test of this module runs chains so."""
     monkeypatch.setattr(fused, "_isolating", lambda: False)
-    monkeypatch.setattr(fused, "_programs", type(fused._programs)())
+    monkeypatch.setattr(fused, "_programs", segmented_cache.SegmentedCache(lambda: fused.PROGRAM_CACHE_SIZE))
     monkeypatch.setattr(fused, "_built", type(fused._built)())
 
     def rounded_between(x):

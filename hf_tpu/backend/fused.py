@@ -47,7 +47,7 @@ import jax.extend
 import numpy as np
 import torch
 
-from . import checks, completion, engine_hooks, runtime, tpu_lowering
+from . import checks, completion, engine_hooks, runtime, segmented_cache, tpu_lowering
 from .out_of_memory import raise_if_out_of_memory
 
 MODES = runtime.EAGER_MODES
@@ -68,8 +68,10 @@ takes 0.7x the time of one chain ending at the sync point, on a 2-core host (ben
 of cheap ops run rarely, each run costing some host time."""
 
 PROGRAM_CACHE_SIZE = 256
-"""How many chain programs are kept, least recently used evicted first. A chain whose program was evicted runs op by
-op from then on (see :func:`_run`)."""
+"""How many chain programs are kept (:class:`~hf_tpu.backend.segmented_cache.SegmentedCache`: those found since they
+were built are evicted after the others, so that a run of one-off chains does not evict a loop body's programs; the
+ops' traces are kept so too). A chain whose program was evicted runs op by op when it comes back, and gets its
+program again only if it comes back once more within half as many chain runs (see :func:`_run`)."""
 
 _REMEMBERED = 16 * PROGRAM_CACHE_SIZE
 """How many chain structures :func:`_run` remembers having built a program for (their hashes)."""
@@ -237,9 +239,12 @@ def _abstract(value: Any, signature: tuple | None) -> Any:
 
 _lock = threading.RLock()
 _chain = _Chain(None)
-_traces: OrderedDict = OrderedDict()  # (program, input signatures) -> its trace (see _traced)
-_programs: OrderedDict = OrderedDict()  # chain structure -> jitted chain program
-_built: OrderedDict = OrderedDict()  # hashes of the chain structures a program was built for, the newest last
+# (program, input signatures) -> its trace (see _traced)
+_traces = segmented_cache.SegmentedCache(lambda: runtime.PROGRAMS_PER_CACHE)
+_programs = segmented_cache.SegmentedCache(lambda: PROGRAM_CACHE_SIZE)  # chain structure -> jitted chain program
+# hashes of the chain structures a program was built for -> the chain run they last missed the cache at, newest last
+_built: OrderedDict = OrderedDict()
+_runs = 0  # chain runs since the start (not reset with the stats)
 _STATS = ("ops", "flushes", "program_hits", "program_misses", "op_by_op")
 _stats = dict.fromkeys(_STATS, 0)
 
@@ -289,8 +294,6 @@ def _traced(fn: Callable, call: Any, signature: tuple, pair: bool, name: str) ->
     found.work = 0 if found.fusible else sum(leaf[3] for leaf in found.leaves)
     found.may_fail = _may_fail(traced.jaxpr.jaxpr)
     _traces[fn, signature] = found
-    if len(_traces) > runtime.PROGRAMS_PER_CACHE:
-        _traces.popitem(last=False)
     return found
 
 
@@ -397,7 +400,7 @@ def record(fn: Callable, call: Any, name: str, device: int, pair: bool = True) -
                 entry = known.get(id(value))
                 signature.append(entry[1] if entry else _signature_of(value))
         signature = tuple(signature)
-        trace = _traces.get((fn, signature)) or _traced(fn, call, signature, pair, name)
+        trace = _traces.find((fn, signature)) or _traced(fn, call, signature, pair, name)
         bound = (len(chain.ops) >= MAX_OPS // 2 or chain.work >= MAX_WORK // 2) and _ends_before(chain, trace)
         if chain.device != device or bound:
             chain = _restart(device)
@@ -490,7 +493,11 @@ def _run(chain: _Chain) -> None:
     """Runs the chain as one program, built the first time its structure runs. A structure whose program was built
     and evicted since runs op by op instead, each op's recorded trace a program of its own, as strict mode runs it:
     structures that come back in a cycle longer than the cache (a generate loop whose growing token tensors give
-    every step a new structure) would otherwise build a program at each run."""
+    every step a new structure) would otherwise build a program at each run. One that comes back again within
+    half the cache's size of chain runs (a loop body whose programs another workload evicted) is in a cycle the
+    cache holds: its program is built again."""
+    global _runs
+    _runs += 1
     live = list(filter(None, map(operator.call, chain.outputs)))  # the values still referenced (a Lazy is true)
     if not live and not chain.checks:
         _release(chain)
@@ -499,24 +506,22 @@ def _run(chain: _Chain) -> None:
     donated = _donated(chain.inputs, live)
     key = (tuple(map(_structure_of, chain.ops)), tuple(chain.input_slots),
            tuple(chain.input_signatures), live_slots, donated)
-    program = _programs.get(key)
+    program = _programs.find(key)
     if program is None:
         _stats["program_misses"] += 1
         structure = hash(key)
-        if structure in _built:
+        last_miss = _built.pop(structure, None)
+        if last_miss is not None and _runs - last_miss > PROGRAM_CACHE_SIZE // 2:
             _stats["op_by_op"] += 1
             program = functools.partial(_op_by_op, chain, live_slots)
         else:
             program = _programs[key] = _build(chain.ops, tuple(chain.input_slots), live_slots, chain.slots,
                                               donated)
-            _built[structure] = None
-            if len(_built) > _REMEMBERED:
-                _built.popitem(last=False)
-            while len(_programs) > PROGRAM_CACHE_SIZE:
-                _programs.popitem(last=False)
+        _built[structure] = _runs
+        if len(_built) > _REMEMBERED:
+            _built.popitem(last=False)
     else:
         _stats["program_hits"] += 1
-        _programs.move_to_end(key)
     _stats["flushes"] += 1
     try:
         outputs, check = program(*chain.inputs)
