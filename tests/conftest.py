@@ -130,6 +130,28 @@ def bert_dir(tmp_path_factory):
     return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"))
 
 
+_RESIDENT_LIMIT = 3 << 30
+
+
+@pytest.fixture(autouse=True, scope="module")
+def compiled_programs_dropped_past_a_limit():
+    """After a test module, a process holding more than 3 GiB drops JAX's compiled programs (every op's and graph's
+    executables are built again when next used) and hands the freed heap back to the system: a worker that runs
+    many modules would otherwise grow by every program compiled, to 8-10 GiB over the suite, and leave the
+    processes that later tests start short of memory on a 24 GiB machine."""
+    yield
+    if int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") > _RESIDENT_LIMIT:
+        import ctypes
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # glibc's; elsewhere the heap is left as it is
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @pytest.fixture(scope="module")
 def tpu_kernel_mapping():
     """hf_tpu's kernel layers in transformers' default mapping, as on TPU chips (here they run interpreted; see
