@@ -8,12 +8,13 @@ from typing import Any, Callable
 
 
 class SegmentedCache(MutableMapping):
-    """A map of at most ``capacity()`` entries in two parts, each evicting its least recently used entry first:
-    entries put and not found since, evicted first, and entries found since they were put (at most three quarters
-    of the capacity; the least recently used of them goes back among the others past that). A run of one-off
-    entries (a generate loop whose growing token tensors give every step new shapes) then evicts one-off entries,
-    not the programs of a loop body found at each of its runs. ``find`` is the lookup that counts as a use; item
-    access neither reorders nor promotes."""
+    """A map of at most ``capacity()`` entries in two parts: entries put and not found since, evicted first, the
+    oldest first; and entries found since they were put, at most three quarters of the capacity, the one found
+    longest ago going back among the others past that (where it is the newest: found again, it comes back). A run
+    of one-off entries (a generate loop whose growing token tensors give every step new shapes) then evicts one-off
+    entries, not the programs of a loop body found at each of its runs. ``find`` is the lookup that counts as a
+    use, at the cost of one dict lookup for an entry found before (it is called for every op fused eager records);
+    item access neither reorders nor promotes."""
 
     def __init__(self, capacity: Callable[[], int]) -> None:
         self._capacity = capacity
@@ -21,10 +22,9 @@ class SegmentedCache(MutableMapping):
         self._found: OrderedDict = OrderedDict()
 
     def find(self, key: Any) -> Any:
-        """The value kept for ``key``, now its part's most recently used (``None`` if none is kept)."""
+        """The value kept for ``key`` (``None`` if none is kept); a value not found before joins the found part."""
         value = self._found.get(key)
         if value is not None:
-            self._found.move_to_end(key)
             return value
         value = self._new.pop(key, None)
         if value is not None:
