@@ -74,7 +74,8 @@ ops' traces are kept so too). A chain whose program was evicted runs op by op wh
 program again only if it comes back once more within half as many chain runs (see :func:`_run`)."""
 
 _REMEMBERED = 16 * PROGRAM_CACHE_SIZE
-"""How many chain structures :func:`_run` remembers having built a program for (their hashes)."""
+"""How many chain structures :func:`_run` remembers having built a program for (their hashes, with the chain run each
+last missed the cache at)."""
 
 
 class Lazy:

@@ -186,8 +186,8 @@ class _Step(torch.nn.Module):
         eos = inputs.pop(_EOS, None)
         given = decode_loop._form_inputs(self._processors, "processor", inputs)
         criteria_given = decode_loop._form_inputs(self._criteria, "criterion", inputs)
-        logits = decode_loop.forward(self.model, self._cache, self._cache_key, self._constants, arguments,
-                                     dict(inputs), self._encoder_output_type)
+        logits = decode_loop.step_logits(self.model, self._cache, self._cache_key, self._constants, arguments,
+                                         dict(inputs), self._encoder_output_type)
         cur_len = beams["cur_len"]
 
         def stop(sequences: torch.Tensor) -> torch.Tensor:
@@ -263,12 +263,14 @@ class _Program(decode_loop.TracedStep):
 
 
 def search(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, beams: dict, settings: Settings,
-           processors: Sequence, criteria: Sequence, eos: torch.Tensor | None, sequences: torch.Tensor) -> dict:
+           processors: Sequence, criteria: Sequence, eos: torch.Tensor | None, sequences: torch.Tensor,
+           max_length: int) -> dict:
     """The beams where transformers' beam search ends, from ``beams`` after the first token (:func:`advance` on
     the prefill's logits) and the first decode step's model inputs ``step_inputs`` (as for
     :func:`decode_loop.decode`), the cache reordered for it. ``processors``, ``criteria``: transformers' logits
     processors and its stopping criteria other than the maximum length and end-of-sequence ones, of a
-    ``generate`` at ``sequences``; ``eos``: the end-of-sequence tokens (``None`` without that criterion).
+    ``generate`` at ``sequences`` up to ``max_length``; ``eos``: the end-of-sequence tokens (``None`` without that
+    criterion).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then runs transformers' loop
     and records it with :func:`decode_loop.mark_unsupported`)."""
@@ -276,7 +278,6 @@ def search(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
             and all(map(decode_processors.runs_in_the_loop, criteria))):
         raise NotImplementedError("a logits processor or stopping criterion is of a kind the loop does not run")
     tensors, constants, encoder_output_type = decode_loop.split_inputs(step_inputs, cache_key)
-    max_length = int(beams["max_length"])
     processors = decode_processors.as_run(processors, sequences, max_length)
     criteria = decode_processors.as_run(criteria, sequences, max_length)
     tensors.update(beams)

@@ -148,8 +148,8 @@ class _Step(torch.nn.Module):
         tokens, length = inputs.pop(_TOKENS, None), inputs.pop(_LENGTH, None)
         given = _form_inputs(self._processors, "processor", inputs)
         criteria_given = _form_inputs(self._criteria, "criterion", inputs)
-        logits = forward(self.model, self._cache, self._cache_key, self._constants, arguments, inputs,
-                         self._encoder_output_type)
+        logits = step_logits(self.model, self._cache, self._cache_key, self._constants, arguments, inputs,
+                             self._encoder_output_type)
         chosen = next_tokens(logits, lambda scores: decode_processors.process(
             self._processors, tokens, scores, length, given), self._do_sample)
         stopped = ()
@@ -161,8 +161,8 @@ class _Step(torch.nn.Module):
         return (chosen["tokens"], *(chosen[name] for name in self._outputs), *stopped)
 
 
-def forward(model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, arguments: Sequence[torch.Tensor],
-            inputs: dict, encoder_output_type: type | None) -> torch.Tensor:
+def step_logits(model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
+                arguments: Sequence[torch.Tensor], inputs: dict, encoder_output_type: type | None) -> torch.Tensor:
     """The logits of the model's forward on ``inputs`` with the cache's layers' keys, values and lengths taken from
     the first of a step's ``arguments`` (the cache is left as it was); an encoder-decoder model's
     ``encoder_outputs`` come in as their last hidden state and go to the model as ``encoder_output_type``."""

@@ -36,11 +36,12 @@ processors it does not run, per-step attentions and hidden states, other caches,
 runs transformers' own. Either way the
 model gets transformers' compiled forward (``model._compiled_call``, from ``get_compiled_call``) as it does on any
 device, and a later ``generate`` whose prompt is shorter reuses the program (the cache's bucket is the same): neither
-Dynamo nor XLA compiles again.
+Dynamo nor XLA compiles again. Beam search from such a cache runs the same way (:mod:`hf_tpu.compile.beam_loop`):
+``_beam_search`` does the prefill and the first token's bookkeeping, then hands every later step to one program.
 
 Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
-``GenerationMixin._sample``, ``DeferredStopCheck`` (``is_supported``, ``__init__``) and the
-``create_masks_for_generate`` that ``prepare_inputs_for_generation`` calls, of
+``GenerationMixin._sample``, ``GenerationMixin._beam_search``, ``DeferredStopCheck`` (``is_supported``,
+``__init__``) and the ``create_masks_for_generate`` that ``prepare_inputs_for_generation`` calls, of
 ``transformers/generation/utils.py``, and ``StaticLayer.lazy_initialization`` of
 ``transformers/cache_utils.py`` (transformers 5.x).
 """
@@ -304,19 +305,27 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
     return cache_key
 
 
-def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
-    """The maximum length, end-of-sequence tokens and pad token of ``stopping_criteria``; ``None`` if they
-    stop on end-of-sequence tokens without a pad token."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+def _eos_tokens(stopping_criteria: Any) -> torch.Tensor | None:
+    """The end-of-sequence tokens ``stopping_criteria`` stop on (``None`` without that criterion)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
 
     eos = [criterion.eos_token_id.reshape(-1) for criterion in stopping_criteria
            if isinstance(criterion, EosTokenCriteria)]
-    pad = generation_config._pad_token_tensor if eos else None
-    if eos and pad is None:
+    return torch.cat(eos) if eos else None
+
+
+def _limits(stopping_criteria: Any, generation_config: Any) -> tuple | None:
+    """The maximum length, end-of-sequence tokens and pad token of ``stopping_criteria``; ``None`` if they
+    stop on end-of-sequence tokens without a pad token."""
+    from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+    eos = _eos_tokens(stopping_criteria)
+    pad = generation_config._pad_token_tensor if eos is not None else None
+    if eos is not None and pad is None:
         return None
     max_length = min(criterion.max_length for criterion in stopping_criteria
                      if isinstance(criterion, MaxLengthCriteria))
-    return max_length, torch.cat(eos) if eos else None, pad
+    return max_length, eos, pad
 
 
 def _check_step_inputs(step_inputs: dict, cache: Any, cache_key: str, encoder_decoder: bool) -> None:
@@ -434,9 +443,8 @@ def _install_decode_in_one_program(mixin: Any) -> None:
     mixin._sample = sample_in_one_program
 
 
-def _beam_search_in_one_program_allowed(model: Any, input_ids: torch.Tensor, logits_processor: Any,
-                                        stopping_criteria: Any, generation_config: Any, synced_gpus: bool,
-                                        model_kwargs: dict) -> str | None:
+def _beam_search_cache_key(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
+                           generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_beam_search`` can search after the first token as one
     program (:mod:`hf_tpu.compile.beam_loop`): as for greedy decoding (:func:`_one_program_cache_key`), with no
     per-step scores or logits asked for and no criterion checked between program runs, and the maximum length
@@ -487,15 +495,14 @@ def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, i
     running = model._flatten_beam_dim(beams["running_sequences"][:, :, :prompt_length + 1])
     step_inputs = model.prepare_inputs_for_generation(running, next_sequence_length=1, **kwargs)
     step_inputs["return_dict"] = True
-    eos = [criterion.eos_token_id.reshape(-1) for criterion in stopping_criteria
-           if isinstance(criterion, EosTokenCriteria)]
     criteria = [criterion for criterion in stopping_criteria
                 if not isinstance(criterion, (EosTokenCriteria, MaxLengthCriteria))]
     try:
         _check_step_inputs(step_inputs, cache, cache_key, encoder_decoder)
         with model._optimize_model_for_decode():
             beams = beam_loop.search(model, cache, cache_key, step_inputs, beams, settings, list(logits_processor),
-                                     criteria, torch.cat(eos) if eos else None, input_ids)
+                                     criteria, _eos_tokens(stopping_criteria), input_ids,
+                                     generation_config.max_length)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
@@ -513,8 +520,8 @@ def _install_beam_search_in_one_program(mixin: Any) -> None:
     @functools.wraps(beam_search)
     def beam_search_in_one_program(self: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
                                    generation_config: Any, synced_gpus: bool = False, **model_kwargs: Any) -> Any:
-        cache_key = _beam_search_in_one_program_allowed(self, input_ids, logits_processor, stopping_criteria,
-                                                        generation_config, synced_gpus, model_kwargs)
+        cache_key = _beam_search_cache_key(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                           synced_gpus, model_kwargs)
         if cache_key is None:
             return beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                synced_gpus=synced_gpus, **model_kwargs)
@@ -526,7 +533,7 @@ def _install_beam_search_in_one_program(mixin: Any) -> None:
 
 
 def install(module: Any) -> None:
-    """Wraps ``_prepare_cache_for_generation``, ``generate``, ``_sample``, ``DeferredStopCheck`` and
+    """Wraps ``_prepare_cache_for_generation``, ``generate``, ``_sample``, ``_beam_search``, ``DeferredStopCheck`` and
     ``create_masks_for_generate`` of ``transformers.generation.utils`` and the static cache's
     ``lazy_initialization``."""
     when_imported("transformers.cache_utils", _install_sharded_static_cache)
