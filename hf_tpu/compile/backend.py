@@ -43,8 +43,18 @@ def _lower(graph_module: torch.fx.GraphModule) -> Callable:
         return make_boxed_func(graph_module)
 
 
+def _without_erased_nodes(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph module with a copy of its graph holding only its live nodes: fx keeps every node a graph ever
+    had (erased ones too, with their traced values) in its names, thousands after AOTAutograd's passes, and
+    the module lives as long as its compiled program."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    graph_module.graph = graph
+    return graph_module
+
+
 def _compile(graph_module: torch.fx.GraphModule, example_inputs: list) -> warm_start.TpuOutputCode:
-    return warm_start.TpuOutputCode(graph_module, _lower)
+    return warm_start.TpuOutputCode(_without_erased_nodes(graph_module), _lower)
 
 
 def _compiler() -> SerializableAOTDispatchCompiler:
