@@ -120,13 +120,24 @@ def test_an_encoder_decoders_beams_are_cpus():
     assert compile_stats()["decode_loops"] == 1
 
 
-def test_per_step_scores_go_to_transformers_loop(models):
+@pytest.mark.parametrize("eos", [False, True], ids=["to_max_length", "beams_meet_eos"])
+def test_per_step_scores_and_logits_are_cpus_in_one_program_run(models, eos):
     cpu_model, tpu_model = models
     prompt, mask = _padded_batch()
-    options = dict(return_dict_in_generate=True, output_scores=True)
+    options = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, num_return_sequences=2)
+    if eos:  # the search ends before the maximum length: fewer steps than the program kept room for
+        without = _search(cpu_model, prompt, mask, **options).sequences
+        ending = without[:, prompt.shape[1] + 1:prompt.shape[1] + 3]  # the returned beams' second and third tokens
+        options.update(eos_token_id=sorted(set(ending.flatten().tolist())), early_stopping=True)
     expected = _search(cpu_model, prompt, mask, **options)
+    before = compile_stats()["decode_loops"]
     result = _search(tpu_model, to_tpu(prompt), mask, **options)
+    assert compile_stats()["decode_loops"] == before + 1
     assert result.sequences.cpu().tolist() == expected.sequences.tolist()
+    assert result.beam_indices.cpu().tolist() == expected.beam_indices.tolist()
     torch.testing.assert_close(result.sequences_scores.cpu(), expected.sequences_scores)
-    assert len(result.scores) == len(expected.scores)
-    assert compile_stats()["decode_loops"] == 0
+    for name in ("scores", "logits"):
+        assert len(getattr(result, name)) == len(getattr(expected, name)) <= NEW_TOKENS
+        torch.testing.assert_close(torch.stack(getattr(result, name)).cpu(), torch.stack(getattr(expected, name)))
+    if eos:
+        assert len(expected.scores) < NEW_TOKENS

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ..backend import random_state, storage
+from ..backend import dtypes, random_state, storage
 from . import decode_loop, decode_processors
 
 # the beams' state, transformers' names (``cur_len``: the tokens so far; ``going``: its loop's condition)
@@ -113,16 +113,18 @@ def _top_k_continuations(model: Any, log_probs: torch.Tensor, beams: dict,
 
 def advance(model: Any, beams: dict, logits: torch.Tensor, settings: Settings,
             process: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-            stop: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict, torch.Tensor]:
+            stop: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict, torch.Tensor, dict]:
     """One step of transformers' beam search after the forward that gave ``logits``: the beams with the next
-    token, and the rows of the cache each running beam continues (its ``beam_idx``). ``process``: the logits
-    processors, given the running sequences (flat, ``cur_len`` columns written) and the log-probabilities;
-    ``stop``: the stopping criteria, given the continuations' sequences (flat, one more column written)."""
+    token, the rows of the cache each running beam continues (its ``beam_idx``), and what transformers keeps of
+    the step when asked (``"scores"``: the processed log-probabilities; ``"logits"``: the last position's logits
+    in float32). ``process``: the logits processors, given the running sequences (flat, ``cur_len`` columns
+    written) and the log-probabilities; ``stop``: the stopping criteria, given the continuations' sequences (flat,
+    one more column written)."""
     batch, beams_count = settings.batch_size, settings.num_beams
     cur_len, prompt_length = beams["cur_len"], beams["decoder_prompt_len"]
-    log_probs = torch.nn.functional.log_softmax(logits[:, -1].to(copy=True, dtype=torch.float32), dim=-1)
-    log_probs = process(model._flatten_beam_dim(beams["running_sequences"]), log_probs)
-    log_probs = model._unflatten_beam_dim(log_probs, batch, beams_count) + beams["running_beam_scores"][:, :, None]
+    raw = logits[:, -1].to(copy=True, dtype=torch.float32)
+    scores = process(model._flatten_beam_dim(beams["running_sequences"]), torch.nn.functional.log_softmax(raw, -1))
+    log_probs = model._unflatten_beam_dim(scores, batch, beams_count) + beams["running_beam_scores"][:, :, None]
     top_log_probs, top_sequences, top_beam_indices = _top_k_continuations(model, log_probs.reshape(batch, -1),
                                                                           beams, settings)
     hits = model._unflatten_beam_dim(stop(model._flatten_beam_dim(top_sequences)), batch, settings.beams_to_keep)
@@ -149,7 +151,8 @@ def advance(model: Any, beams: dict, logits: torch.Tensor, settings: Settings,
     return dict(beams, running_sequences=running_sequences, running_beam_scores=running_beam_scores,
                 running_beam_indices=running_beam_indices, sequences=sequences, beam_scores=beam_scores,
                 beam_indices=beam_indices, is_sent_finished=is_sent_finished,
-                is_early_stop_heuristic_unsatisfied=unsatisfied, cur_len=cur_len, going=going), beam_idx
+                is_early_stop_heuristic_unsatisfied=unsatisfied, cur_len=cur_len, going=going), beam_idx, \
+        {"scores": scores, "logits": raw}
 
 
 def reorder(cache: Any, beam_idx: torch.Tensor, layer_tensors: Sequence[torch.Tensor] | None = None) -> None:
@@ -168,16 +171,17 @@ class _Step(torch.nn.Module):
     """One beam-search step of ``model`` on ``cache``: takes the cache layers' keys, values and lengths, then the
     step's other inputs (``input_names``: the beams, the limits, the model's step inputs, the end-of-sequence
     tokens, the processors' and criteria's inputs), positionally; writes the cache (the step's keys and values,
-    then the reorder) and returns the beams and the next step's model inputs, in ``carried`` order."""
+    then the reorder) and returns the beams and the next step's model inputs, in ``carried`` order, then the
+    step's ``outputs`` (see :func:`advance`)."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, input_names: list[str],
                  settings: Settings, processors: Sequence, criteria: Sequence, carried: list[str],
-                 encoder_output_type: type | None) -> None:
+                 outputs: tuple[str, ...], encoder_output_type: type | None) -> None:
         super().__init__()
         self.model = model
         self._cache, self._cache_key, self._constants, self._input_names = cache, cache_key, constants, input_names
         self._settings, self._processors, self._criteria, self._carried = settings, processors, criteria, carried
-        self._encoder_output_type = encoder_output_type
+        self._outputs, self._encoder_output_type = outputs, encoder_output_type
 
     def forward(self, *arguments: torch.Tensor) -> tuple[torch.Tensor, ...]:
         layers = len(decode_loop._layers(self._cache))
@@ -200,7 +204,7 @@ class _Step(torch.nn.Module):
                 hits = hits | criterion(sequences, cur_len + 1, **its_inputs)
             return hits
 
-        beams, beam_idx = advance(self.model, beams, logits, self._settings, lambda tokens, scores: (
+        beams, beam_idx, outputs = advance(self.model, beams, logits, self._settings, lambda tokens, scores: (
             decode_processors.process(self._processors, tokens, scores, cur_len, given)), stop)
         reorder(self._cache, beam_idx, arguments[:3 * layers])
         token_name = decode_loop._token_name(inputs)
@@ -212,65 +216,76 @@ class _Step(torch.nn.Module):
                                                                              device=mask.device))
         if "position_ids" in inputs:
             inputs["position_ids"] = inputs["position_ids"] + 1
-        return tuple({**beams, **inputs}[name] for name in self._carried)
+        return (*({**beams, **inputs}[name] for name in self._carried), *(outputs[name] for name in self._outputs))
 
 
 class _Program(decode_loop.TracedStep):
     """The traced beam-search step of one input signature and its loop, jitted with and without donating the
-    cache; the loop carries the beams and the model's step inputs from step to step."""
+    cache; the loop carries the beams and the model's step inputs from step to step, and keeps each step's
+    ``outputs``."""
 
     def __init__(self, model: torch.nn.Module, cache: Any, cache_key: str, constants: dict, inputs: dict,
-                 settings: Settings, processors: Sequence, criteria: Sequence,
+                 settings: Settings, processors: Sequence, criteria: Sequence, outputs: tuple[str, ...],
                  encoder_output_type: type | None) -> None:
         self._carried = [name for name in inputs if name in _BEAMS or name in _STEP_TENSORS]
         step = _Step(model, cache, cache_key, constants, list(inputs), settings, processors, criteria,
-                     self._carried, encoder_output_type)
-        super().__init__(step, cache, inputs, len(self._carried), int(settings.do_sample))
-        self._loops = {donate: jax.jit(self._loop, donate_argnums=(1,) if donate else ()) for donate in (False, True)}
+                     self._carried, outputs, encoder_output_type)
+        super().__init__(step, cache, inputs, len(self._carried) + len(outputs), int(settings.do_sample))
+        self._outputs = self._results[len(self._carried):]
+        self._loops = {donate: jax.jit(self._loop, donate_argnums=(1,) if donate else (), static_argnums=(4,))
+                       for donate in (False, True)}
 
-    def _loop(self, weights: list, cache: tuple, inputs: tuple, stream: Any) -> tuple:
+    def _loop(self, weights: list, cache: tuple, inputs: tuple, stream: Any, rows: int) -> tuple:
         """Steps while transformers' loop would (``going``), at most the cache's length: returns the number of
-        steps, the cache's new state, the step's inputs after the last step and the check."""
+        steps, the cache's new state, the step's inputs after the last step, the outputs of the first ``rows``
+        steps (``(rows, ...)`` each) and the check."""
         slots = self._slots
 
         def step(carry: tuple) -> tuple:
-            count, state, check = carry
+            count, state, outputs_so_far, check = carry
             state = list(state)
             results, check = self._call(weights, state, stream, count, check)
             for name, (result, _, _) in zip(self._carried, self._results):
                 state[slots[name]] = results[result]
-            return count + 1, tuple(state), check
+            outputs_so_far = tuple(written.at[count].set(results[result], mode="drop")
+                                   for written, (result, _, _) in zip(outputs_so_far, self._outputs))
+            return count + 1, tuple(state), outputs_so_far, check
 
         def going(carry: tuple) -> Any:
             return carry[1][slots["going"]] & (carry[0] < self._capacity)
 
-        start = (jnp.zeros((), jnp.int64), (*cache, *inputs), jnp.zeros(2, jnp.int64))
-        count, state, check = jax.lax.while_loop(going, step, start)
-        return count, state[:len(cache)], state[len(cache):], check
+        outputs = tuple(jnp.zeros((rows, *shape), dtypes.to_jax(dtype)) for _, shape, dtype in self._outputs)
+        start = (jnp.zeros((), jnp.int64), (*cache, *inputs), outputs, jnp.zeros(2, jnp.int64))
+        count, state, outputs, check = jax.lax.while_loop(going, step, start)
+        return count, state[:len(cache)], state[len(cache):], outputs, check
 
-    def run(self, model: torch.nn.Module, cache: Any, inputs: dict) -> dict:
-        """Runs the loop from ``inputs`` (the step's, by name); returns the beams after the last step, on tpu,
-        after writing the cache's new state."""
+    def run(self, model: torch.nn.Module, cache: Any, inputs: dict, rows: int) -> tuple[dict, tuple]:
+        """Runs the loop from ``inputs`` (the step's, by name); returns the beams after the last step and the
+        steps' outputs (``(steps, ...)`` each, kept for at most ``rows`` steps), on tpu, after writing the cache's
+        new state."""
         weights, arrays, others, device_index = self._arrays(
             model, cache, list(inputs.values()), storage.buffer_of(inputs["cur_len"]).device_index)
         stream = np.array(random_state.position(device_index), np.uint64)
-        steps, written, others, check = self._loops[self._donating(cache, arrays)](
-            weights, tuple(arrays), tuple(others), stream)
-        self._ran(cache, arrays, written, check, steps, device_index)
+        steps, written, others, outputs, check = self._loops[self._donating(cache, arrays)](
+            weights, tuple(arrays), tuple(others), stream, rows if self._outputs else 0)
+        steps = self._ran(cache, arrays, written, check, steps, device_index)
         del written
-        return {name: decode_loop._on_chip(value, inputs[name].dtype, device_index)
-                for name, value in zip(inputs, others) if name in _BEAMS}
+        beams = {name: decode_loop._on_chip(value, inputs[name].dtype, device_index)
+                 for name, value in zip(inputs, others) if name in _BEAMS}
+        return beams, tuple(decode_loop._on_chip(output, dtype, device_index)[:steps]
+                            for output, (_, _, dtype) in zip(outputs, self._outputs))
 
 
 def search(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, beams: dict, settings: Settings,
            processors: Sequence, criteria: Sequence, eos: torch.Tensor | None, sequences: torch.Tensor,
-           max_length: int) -> dict:
+           max_length: int, outputs: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """The beams where transformers' beam search ends, from ``beams`` after the first token (:func:`advance` on
     the prefill's logits) and the first decode step's model inputs ``step_inputs`` (as for
-    :func:`decode_loop.decode`), the cache reordered for it. ``processors``, ``criteria``: transformers' logits
-    processors and its stopping criteria other than the maximum length and end-of-sequence ones, of a
-    ``generate`` at ``sequences`` up to ``max_length``; ``eos``: the end-of-sequence tokens (``None`` without that
-    criterion).
+    :func:`decode_loop.decode`), the cache reordered for it; and each later step's ``outputs`` (``"scores"``,
+    ``"logits"``: see :func:`advance`), by name, ``(steps, ...)`` each. ``processors``, ``criteria``:
+    transformers' logits processors and its stopping criteria other than the maximum length and end-of-sequence
+    ones, of a ``generate`` at ``sequences`` up to ``max_length``; ``eos``: the end-of-sequence tokens (``None``
+    without that criterion).
 
     Raises ``NotImplementedError`` when the step cannot be one program (the caller then runs transformers' loop
     and records it with :func:`decode_loop.mark_unsupported`)."""
@@ -284,17 +299,20 @@ def search(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     if eos is not None:
         tensors[_EOS] = eos
     decode_loop.add_form_inputs(tensors, processors, criteria)
-    choosing = ("beams", settings, decode_processors.key(processors), decode_processors.key(criteria),
+    choosing = ("beams", settings, decode_processors.key(processors), decode_processors.key(criteria), outputs,
                 encoder_output_type)
     program = decode_loop.program_for(model, cache, cache_key, constants, tensors, choosing, lambda: _Program(
-        model, cache, cache_key, constants, tensors, settings, processors, criteria, encoder_output_type))
-    return dict(beams, **program.run(model, cache, tensors))
+        model, cache, cache_key, constants, tensors, settings, processors, criteria, outputs, encoder_output_type))
+    final, kept = program.run(model, cache, tensors, max_length - sequences.shape[-1] - 1)  # the steps after the first
+    return dict(beams, **final), dict(zip(outputs, kept))
 
 
-def result(model: Any, beams: dict, generation_config: Any, cache: Any, prompt_length: int) -> Any:
+def result(model: Any, beams: dict, generation_config: Any, cache: Any, prompt_length: int,
+           steps: dict[str, tuple[torch.Tensor, ...]]) -> Any:
     """What ``_beam_search`` returns from its final beams: the best ``num_return_sequences`` of each prompt, cut
-    to the longest generated, and with ``return_dict_in_generate`` their beam indices and the cache (transformers'
-    step 5; the per-step outputs are not kept by the loop)."""
+    to the longest generated, and with ``return_dict_in_generate`` their beam indices, the cache and what was
+    asked of each step (``steps``: ``"scores"``, with the sequences' scores, and ``"logits"``; transformers' step
+    5)."""
     from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateBeamEncoderDecoderOutput
 
     kept = generation_config.num_return_sequences
@@ -308,4 +326,6 @@ def result(model: Any, beams: dict, generation_config: Any, cache: Any, prompt_l
         GenerateBeamDecoderOnlyOutput
     # the cache's field: ``cache`` since transformers 5.2x, ``past_key_values`` before
     field = "cache" if "cache" in output_type.__dataclass_fields__ else "past_key_values"
-    return output_type(sequences=sequences, beam_indices=beam_indices, **{field: cache})
+    sequences_scores = model._flatten_beam_dim(beams["beam_scores"][:, :kept]) if "scores" in steps else None
+    return output_type(sequences=sequences, sequences_scores=sequences_scores, scores=steps.get("scores"),
+                       logits=steps.get("logits"), beam_indices=beam_indices, **{field: cache})

@@ -447,16 +447,14 @@ def _beam_search_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
                            generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_beam_search`` can search after the first token as one
     program (:mod:`hf_tpu.compile.beam_loop`): as for greedy decoding (:func:`_one_program_cache_key`), with no
-    per-step scores or logits asked for and no criterion checked between program runs, and the maximum length
-    transformers' criteria stop at is the generation config's."""
+    criterion checked between program runs, and the maximum length transformers' criteria stop at is the
+    generation config's."""
     from ..compile import decode_loop
 
     cache_key = _one_program_cache_key(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus, model_kwargs)
     if (
         cache_key is None or generation_config.low_memory
-        or (generation_config.return_dict_in_generate and any(getattr(generation_config, option)
-                                                              for option in _STEP_OUTPUTS))
         or any(map(decode_loop.checked_between_runs, stopping_criteria))
         or stopping_criteria.max_length != generation_config.max_length
     ):
@@ -487,10 +485,13 @@ def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, i
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
     encoder_decoder = model.config.is_encoder_decoder
     kwargs = model._update_model_kwargs_for_generation(outputs, kwargs, is_encoder_decoder=encoder_decoder)
-    beams, beam_idx = beam_loop.advance(model, beams, outputs.logits, settings,
-                                        lambda tokens, scores: logits_processor(tokens[:, :prompt_length], scores),
-                                        lambda sequences: stopping_criteria(sequences[:, :prompt_length + 1], None))
+    beams, beam_idx, first = beam_loop.advance(
+        model, beams, outputs.logits, settings,
+        lambda tokens, scores: logits_processor(tokens[:, :prompt_length], scores),
+        lambda sequences: stopping_criteria(sequences[:, :prompt_length + 1], None))
     del outputs
+    kept = tuple(name for option, name in _STEP_OUTPUTS.items()
+                 if generation_config.return_dict_in_generate and getattr(generation_config, option))
     beam_loop.reorder(cache, beam_idx)
     running = model._flatten_beam_dim(beams["running_sequences"][:, :, :prompt_length + 1])
     step_inputs = model.prepare_inputs_for_generation(running, next_sequence_length=1, **kwargs)
@@ -500,16 +501,17 @@ def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, i
     try:
         _check_step_inputs(step_inputs, cache, cache_key, encoder_decoder)
         with model._optimize_model_for_decode():
-            beams = beam_loop.search(model, cache, cache_key, step_inputs, beams, settings, list(logits_processor),
-                                     criteria, _eos_tokens(stopping_criteria), input_ids,
-                                     generation_config.max_length)
+            beams, later = beam_loop.search(model, cache, cache_key, step_inputs, beams, settings,
+                                            list(logits_processor), criteria, _eos_tokens(stopping_criteria),
+                                            input_ids, generation_config.max_length, kept)
     except NotImplementedError as error:
         decode_loop.mark_unsupported(model, str(error))
         cache.reset()
         torch.tpu.set_rng_state(stream, input_ids.device)
         return beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config,
                            **model_kwargs)
-    return beam_loop.result(model, beams, generation_config, cache, prompt_length)
+    steps = {name: (first[name], *later[name].unbind(0)) for name in kept}
+    return beam_loop.result(model, beams, generation_config, cache, prompt_length, steps)
 
 
 def _install_beam_search_in_one_program(mixin: Any) -> None:
