@@ -19,7 +19,8 @@ counts the 64 new tokens over the whole ``generate`` call (prefill included). Va
   generate through the ``"tpu"`` backend, generate's eager ops between steps (fused mode);
 - ``torch cpu beams``, ``tpu beams`` and ``tpu beams stepwise``: beam search (``BEAMS``: 4 beams), on the CPU
   (dynamic cache, eager), on tpu from a static cache with every step after the first token in one program
-  (:mod:`hf_tpu.compile.beam_loop`), and on tpu through transformers' own loop;
+  (:mod:`hf_tpu.compile.beam_loop`), and on tpu through transformers' own loop; ``torch cpu beams scores`` and
+  ``tpu beams scores`` the same with each step's scores returned (``BEAM_SCORES``: ``output_scores=True``);
 - ``tpu sampled`` and ``tpu sampled stepwise``: the ``tpu`` and ``tpu stepwise`` runs sampling instead
   with Qwen2.5-Instruct's generation settings (``do_sample=True, top_k=20, top_p=0.8, temperature=0.7,
   repetition_penalty=1.05``, seed 0): their tokens are compared with each other's (the same draws), not with
@@ -132,6 +133,7 @@ def in_eager_mode(mode: str, run):
 
 SAMPLING = dict(do_sample=True, top_k=20, top_p=0.8, temperature=0.7, repetition_penalty=1.05)
 BEAMS = dict(num_beams=4)
+BEAM_SCORES = dict(BEAMS, return_dict_in_generate=True, output_scores=True)
 # greedy decoding with the settings that read the tokens so far and their count
 SETTINGS = dict(min_new_tokens=NEW_TOKENS, no_repeat_ngram_size=3, repetition_penalty=1.1)
 
@@ -142,6 +144,8 @@ def hf_generate(model, prompt: torch.Tensor, **options) -> list[int]:
         torch.manual_seed(0)
     with torch.no_grad():
         output = model.generate(prompt, max_new_tokens=NEW_TOKENS, **{"do_sample": False, **options})
+    if options.get("return_dict_in_generate"):
+        output = output.sequences
     tokens = output[0, prompt.shape[1]:].cpu().tolist()
     if prompt.device.type == "tpu":  # all the work generate queued is done before the clock stops (or JAX's run starts)
         torch.tpu.synchronize()
@@ -234,6 +238,7 @@ def main() -> None:
         lambda: hf_generate(model, prompt, cache_implementation="static", disable_compile=True), args.repeats
     )
     results["torch cpu beams"] = timed(lambda: hf_generate(model, prompt, **BEAMS), args.repeats)
+    results["torch cpu beams scores"] = timed(lambda: hf_generate(model, prompt, **BEAM_SCORES), args.repeats)
     if not args.skip_inductor:
         inductor = CompileConfig(backend="inductor", mode="default", dynamic=False)
         inductor._compile_all_devices = True
@@ -257,6 +262,7 @@ def main() -> None:
                   "tpu settings": in_eager_mode("strict", run_settings),
                   "tpu settings stepwise": stepwise(in_eager_mode("fused", run_settings)),
                   "tpu beams": in_eager_mode("strict", run_beams),
+                  "tpu beams scores": in_eager_mode("strict", functools.partial(run_tpu, **BEAM_SCORES)),
                   "tpu beams stepwise": stepwise(in_eager_mode("fused", run_beams))}
     results.update(timed_together(alternated, args.repeats))
     host = {name: host_milliseconds_per_token(run) for name, run in alternated.items()}
@@ -296,6 +302,10 @@ def main() -> None:
            "beam search (4 beams) on torch CPU, eager")
     report("tokens/s, tpu beams / tpu beams stepwise", beams["tpu beams"] / beams["tpu beams stepwise"], "x",
            "transformers' beam search loop on tpu, a compiled step per token")
+    scored = results["torch cpu beams scores"][0] / results["tpu beams scores"][0]
+    print(f"beam search with output_scores: tpu one program / cpu {scored:.2f}x")
+    report("tokens/s, tpu beams scores / torch cpu beams scores", scored, "x",
+           "beam search (4 beams) with output_scores on torch CPU, eager")
     print("host CPU per new token (main thread): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in host.items()))
     print(f"graph mode: {torch.tpu.compile_stats()}")
     if args.profile:
