@@ -6,7 +6,9 @@ query and key sizes only when it compiles. On tpu, eager batches of new sizes ar
 step, so a tpu model's batches are compiled by default (``CompileConfig(dynamic=True)``: Dynamo traces once per
 manager, hf_tpu compiles one program per padded size), and the sizes are padded to powers of two: the query
 tokens to at least :data:`MIN_QUERY_TOKENS` and at most ``max_batch_tokens``, the tokens read from the cache to
-zero or at least one page and at most the cache. A run therefore compiles at most
+at least one page and at most the cache. A batch that reads nothing from the cache (new prompts only, the first
+batch of every run) reads a page too: transformers gives it a path of its own (no read), which would be a
+Dynamo graph and programs of their own. A run therefore compiles at most
 ``(log2(max_batch_tokens / MIN_QUERY_TOKENS) + 2) * (log2(max_tokens_read / page_size) + 2)`` programs of the step,
 whatever the number and lengths of its requests (:func:`padded_sizes`). A compile config of the user's is used as
 given, with these sizes. transformers' warm-up, which runs a step at the largest sizes so that CUDA graphs are
@@ -270,9 +272,7 @@ def padded_sizes(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max
     """The query tokens and cache tokens a tpu step of continuous batching runs with: powers of two (see the module
     docstring), so that a run compiles a bounded number of programs."""
     num_q_tokens = _power_of_two_at_least(num_q_tokens, MIN_QUERY_TOKENS, max_batch_tokens)
-    if max_kv_read > 0:
-        max_kv_read = _power_of_two_at_least(max_kv_read, page_size, max_tokens_read)
-    return num_q_tokens, max_kv_read
+    return num_q_tokens, _power_of_two_at_least(max_kv_read, page_size, max_tokens_read)
 
 
 def _install_compiled_tpu_steps(model_runner: Any) -> None:
