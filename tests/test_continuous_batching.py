@@ -88,6 +88,32 @@ def test_continuous_batching_compiles_a_bounded_number_of_programs_and_gives_cpu
     assert compile_stats()["compilations"] - before["compilations"] <= 3 * 5
 
 
+def test_a_tpu_caches_tensors_are_static_inputs_of_the_steps():
+    config = tiny_llama().config
+    cb_config = resolve_continuous_batching_config(config=config, cb_config=ContinuousBatchingConfig(num_blocks=4),
+                                                   workload_hints=None, has_logit_processors=False,
+                                                   device=torch.device("tpu"))
+    cache = PagedAttentionCache(config=config, continuous_batching_config=cb_config, device="tpu",
+                                distributed_helper=DistributedHelper(None, None), dtype=torch.float32)
+    views = [tensor for allocator in cache.cache_allocators.values()
+             for pairs in (allocator._kv_token_views, allocator._kv_page_views) for pair in pairs.values()
+             for tensor in pair]
+    assert views and all(getattr(view, "_dynamo_static_indices", set()) == set(range(view.dim())) for view in views)
+
+
+def test_a_batch_as_large_as_the_head_dimension_keeps_the_decode_step_dynamic():
+    model = tiny_llama().eval()
+    head_dim = model.config.hidden_size // model.config.num_attention_heads  # 16: the first decode batch's size
+    prompts = [[3 + i, 5, 7] for i in range(head_dim)]  # one prefill batch, then decode steps of them all
+    expected = _generate_batch(model, prompts)
+    model.to("tpu")
+    torch._dynamo.reset()  # no step graphs of earlier tests: these runs trace their own
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert _generate_batch(model, prompts) == expected
+    assert _generate_batch(model, prompts[:head_dim // 2]) == expected[:head_dim // 2]  # decode steps of 8
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # the prefill step, the decode step
+
+
 def test_sampled_continuous_batching_follows_the_seed():
     model = tiny_llama().eval().to("tpu")
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2]]

@@ -93,8 +93,9 @@ def _on_chips() -> bool:
 
 def _install_tpu_paged_cache(cache: Any) -> None:
     """A paged cache made for a tpu device sees its chip's memory (``get_device_and_memory_breakdown``), traces
-    its update into the compiled step, and on the decode fast path writes the new tokens into their pages
-    (:func:`write_decode_tokens`; see the module docstring)."""
+    its update into the compiled step, keeps its sizes out of the step's symbolic ones (:func:`_mark_static`),
+    and on the decode fast path writes the new tokens into their pages (:func:`write_decode_tokens`; see the
+    module docstring)."""
     breakdown, init = cache.get_device_and_memory_breakdown, cache.PagedAttentionCache.__init__
     if getattr(init, "_hf_tpu", False):
         return
@@ -121,6 +122,7 @@ def _install_tpu_paged_cache(cache: Any) -> None:
             init(self, config, continuous_batching_config, device, *args, **kwargs)
         finally:
             _SIZED_FOR.reset(sizing)
+        _mark_static(self)
         self.update = types.MethodType(update, self)
 
     @traced_by_dynamo  # runs inside the compiled step; hf_tpu's files are skipped by Dynamo otherwise
@@ -135,6 +137,17 @@ def _install_tpu_paged_cache(cache: Any) -> None:
     __init__._hf_tpu = True
     cache.get_device_and_memory_breakdown = get_device_and_memory_breakdown
     cache.PagedAttentionCache.__init__ = __init__
+
+
+def _mark_static(cache: Any) -> None:
+    """The cache's tensors as Dynamo's static inputs: their sizes never change, and as symbols (the steps compile
+    with ``dynamic=True``) a batch's size equal to one of them at the first trace (64 requests, a head dimension
+    of 64) would share its symbol, be specialized with it, and cost the step another graph at the next size."""
+    for allocator in cache.cache_allocators.values():
+        for views in ("_kv_token_views", "_kv_page_views"):
+            for pair in getattr(allocator, views, {}).values():
+                for tensor in pair:
+                    torch._dynamo.mark_static(tensor)
 
 
 def _install_default_share(initialization: Any) -> None:
