@@ -47,8 +47,10 @@ def _without_erased_nodes(graph_module: torch.fx.GraphModule) -> torch.fx.GraphM
     """The graph module with a copy of its graph holding only its live nodes: fx keeps every node a graph ever
     had (erased ones too, with their traced values) in its names, thousands after AOTAutograd's passes, and
     the module lives as long as its compiled program."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(graph_module.graph, {}))
+    graph, copies = torch.fx.Graph(), {}
+    graph.set_codegen(graph_module.graph._codegen)
+    for node in graph_module.graph.nodes:  # the output node too, with its metadata
+        copies[node] = graph.node_copy(node, copies.__getitem__)
     graph_module.graph = graph
     return graph_module
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from ..backend import dtypes, random_state, storage
+from ..backend import random_state, storage
 from . import decode_loop, decode_processors
 
 # the beams' state, transformers' names (``cur_len``: the tokens so far; ``going``: its loop's condition)
@@ -247,15 +247,12 @@ class _Program(decode_loop.TracedStep):
             results, check = self._call(weights, state, stream, count, check)
             for name, (result, _, _) in zip(self._carried, self._results):
                 state[slots[name]] = results[result]
-            outputs_so_far = tuple(written.at[count].set(results[result], mode="drop")
-                                   for written, (result, _, _) in zip(outputs_so_far, self._outputs))
-            return count + 1, tuple(state), outputs_so_far, check
+            return count + 1, tuple(state), self._keep_outputs(outputs_so_far, results, count), check
 
         def going(carry: tuple) -> Any:
             return carry[1][slots["going"]] & (carry[0] < self._capacity)
 
-        outputs = tuple(jnp.zeros((rows, *shape), dtypes.to_jax(dtype)) for _, shape, dtype in self._outputs)
-        start = (jnp.zeros((), jnp.int64), (*cache, *inputs), outputs, jnp.zeros(2, jnp.int64))
+        start = (jnp.zeros((), jnp.int64), (*cache, *inputs), self._no_outputs(rows), jnp.zeros(2, jnp.int64))
         count, state, outputs, check = jax.lax.while_loop(going, step, start)
         return count, state[:len(cache)], state[len(cache):], outputs, check
 
@@ -272,8 +269,7 @@ class _Program(decode_loop.TracedStep):
         del written
         beams = {name: decode_loop._on_chip(value, inputs[name].dtype, device_index)
                  for name, value in zip(inputs, others) if name in _BEAMS}
-        return beams, tuple(decode_loop._on_chip(output, dtype, device_index)[:steps]
-                            for output, (_, _, dtype) in zip(outputs, self._outputs))
+        return beams, self._outputs_on_chip(outputs, steps, device_index)
 
 
 def search(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict, beams: dict, settings: Settings,

@@ -227,7 +227,11 @@ class TracedStep:
     ``step`` takes the cache's layers' keys, values and lengths, then ``inputs`` (by name, in order), positionally;
     it may write the cache's tensors in place, and nothing else, and returns ``outputs`` tensors. The program's
     inputs are the model's parameters and buffers, then the cache's tensors, then ``inputs``; ``draws``: its random
-    ops (its keys come first)."""
+    ops (its keys come first). A loop keeps the results among them that generate hands back per step
+    (``_outputs``, set by the loop: their places, shapes and dtypes) with :meth:`_no_outputs`,
+    :meth:`_keep_outputs` and :meth:`_outputs_on_chip`."""
+
+    _outputs: Sequence[tuple[int, tuple, torch.dtype]] = ()
 
     def __init__(self, step: torch.nn.Module, cache: Any, inputs: dict, outputs: int, draws: int) -> None:
         from torch._functorch.aot_autograd import aot_export_module
@@ -297,6 +301,20 @@ class TracedStep:
         del arrays[:first], arrays[last - first:]
         return weights, arrays, others, device_index
 
+    def _no_outputs(self, rows: int) -> tuple:
+        """Traced: room for the kept outputs of ``rows`` steps, ``(rows, ...)`` each."""
+        return tuple(jnp.zeros((rows, *shape), dtypes.to_jax(dtype)) for _, shape, dtype in self._outputs)
+
+    def _keep_outputs(self, kept: tuple, results: list, count: Any) -> tuple:
+        """Traced: ``kept`` with step ``count``'s outputs among its ``results`` (none past the rows)."""
+        return tuple(written.at[count].set(results[result], mode="drop")
+                     for written, (result, _, _) in zip(kept, self._outputs))
+
+    def _outputs_on_chip(self, kept: tuple, steps: int, device_index: int) -> tuple[torch.Tensor, ...]:
+        """The kept outputs of a run of ``steps`` steps, on tpu, ``(steps, ...)`` each."""
+        return tuple(_on_chip(output, dtype, device_index)[:steps]
+                     for output, (_, _, dtype) in zip(kept, self._outputs))
+
     @staticmethod
     def _donating(cache: Any, arrays: list) -> bool:
         """Whether the cache's ``arrays`` can be donated to a program run (none is held elsewhere)."""
@@ -362,8 +380,7 @@ class _Program(TracedStep):
             count, state, unfinished, length, tokens, outputs_so_far, check = carry
             state = list(state)
             outputs, check = self._call(weights, state, stream, count, check)
-            outputs_so_far = tuple(written.at[count].set(outputs[result], mode="drop")
-                                   for written, (result, _, _) in zip(outputs_so_far, self._outputs))
+            outputs_so_far = self._keep_outputs(outputs_so_far, outputs, count)
             token = outputs[self._token].astype(tokens.dtype)
             if pad_finished:
                 token = jnp.where(unfinished, token, pad)
@@ -388,9 +405,8 @@ class _Program(TracedStep):
             return jnp.any(carry[2]) & (carry[0] < jnp.minimum(budget, self._capacity))
 
         ids = inputs[slots[self._token_name] - len(cache)]
-        outputs = tuple(jnp.zeros((rows, *shape), dtypes.to_jax(dtype)) for _, shape, dtype in self._outputs)
         start = (jnp.zeros((), jnp.int64), (*cache, *inputs), unfinished, length,
-                 jnp.zeros((ids.shape[0], self._capacity), ids.dtype), outputs, jnp.zeros(2, jnp.int64))
+                 jnp.zeros((ids.shape[0], self._capacity), ids.dtype), self._no_outputs(rows), jnp.zeros(2, jnp.int64))
         count, state, unfinished, length, tokens, outputs, check = jax.lax.while_loop(going, step, start)
         return count, tokens, outputs, state[:len(cache)], state[len(cache):], unfinished, length, check
 
@@ -420,8 +436,8 @@ class _Program(TracedStep):
                 pad_finished, rows)
             steps = self._ran(cache, arrays, written, check, steps, device_index)
             del written
-            yield _on_chip(tokens, input_ids.dtype, device_index)[:, :steps], tuple(
-                _on_chip(output, dtype, device_index)[:steps] for output, (_, _, dtype) in zip(outputs, self._outputs))
+            yield _on_chip(tokens, input_ids.dtype, device_index)[:, :steps], self._outputs_on_chip(
+                outputs, steps, device_index)
             left -= steps
             if chunk is None or steps < chunk or left <= 0:
                 return

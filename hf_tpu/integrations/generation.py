@@ -261,6 +261,12 @@ _STEP_OUTPUTS = {"output_scores": "scores", "output_logits": "logits"}
 _OUTPUTS = ("output_attentions", "output_hidden_states")
 
 
+def _kept_step_outputs(generation_config: Any) -> tuple[str, ...]:
+    """What generate hands back of each step (``"scores"``, ``"logits"``), as ``generation_config`` asks."""
+    return tuple(name for option, name in _STEP_OUTPUTS.items()
+                 if generation_config.return_dict_in_generate and getattr(generation_config, option))
+
+
 def _decoder_static_cache(cache: Any) -> Any:
     """The static cache generate decodes with: a decoder's ``StaticCache``, or the self-attention half of an
     ``EncoderDecoderCache`` of two (the cross-attention half written by the prefill, read by each step); ``None``
@@ -377,8 +383,7 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
                                      generation_config.do_sample)
     del outputs
     token = chosen["tokens"]
-    wanted = tuple(name for option, name in _STEP_OUTPUTS.items()
-                   if generation_config.return_dict_in_generate and getattr(generation_config, option))
+    wanted = _kept_step_outputs(generation_config)
     per_step = {name: [chosen[name][None]] for name in wanted}  # each output's (steps, batch, vocabulary) pieces
     del chosen
     sequences = torch.cat([input_ids, token[:, None]], dim=-1)
@@ -490,8 +495,7 @@ def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, i
         lambda tokens, scores: logits_processor(tokens[:, :prompt_length], scores),
         lambda sequences: stopping_criteria(sequences[:, :prompt_length + 1], None))
     del outputs
-    kept = tuple(name for option, name in _STEP_OUTPUTS.items()
-                 if generation_config.return_dict_in_generate and getattr(generation_config, option))
+    kept = _kept_step_outputs(generation_config)
     beam_loop.reorder(cache, beam_idx)
     running = model._flatten_beam_dim(beams["running_sequences"][:, :, :prompt_length + 1])
     step_inputs = model.prepare_inputs_for_generation(running, next_sequence_length=1, **kwargs)
