@@ -2,8 +2,10 @@
 model on tpu: FlexAttention, selective activation checkpointing, ``torch.compile`` with no eager fallback
 (``HF_TPU_STRICT_COMPILE=1``), FSDP2 and tensor parallelism over two ``tpu_dist`` processes, distributed checkpoints
 saved and resumed.
-The losses of every run equal one process's (within float32 tolerance of the order of reductions), and a run
-resumed from its checkpoint continues the same curve. Runs are launched by tests/torchtitan_runs.py, on assets
+The losses of every run equal one process's, and a run resumed from its checkpoint continues the same curve. Within
+what tolerance: after two AdamW updates, equally valid float32 orders of reductions (one process compiled against
+eager) move the loss by up to about 1e-3, depending on the initial weights; a resume that loses the optimizer's
+state moves step 4's loss by 0.39. Runs are launched by tests/torchtitan_runs.py, on assets
 (tokenizer, dataset, seed checkpoint) the test makes itself. FSDP2 x TP=2 on four processes runs in
 benchmarks/torchtitan.py, not here: four more processes beside the suite's workers go past CI's 24 GiB.
 """
@@ -14,7 +16,7 @@ import pytest
 
 from torchtitan_runs import assets, options, seed_checkpoint, train
 
-STEPS, SEQ_LEN, TOLERANCE = 4, 64, 1e-3
+STEPS, SEQ_LEN, TOLERANCE = 4, 64, 5e-3
 LAUNCH_TIMEOUT_S = 300
 
 

@@ -40,10 +40,11 @@ def assets(folder: Path, seq_len: int) -> None:
 
 def options(steps: int, seq_len: int, checkpoint_interval: int) -> list[str]:
     """The stock Llama 3 debug config (FlexAttention, selective activation checkpointing) for ``steps`` steps,
-    saving a distributed checkpoint every ``checkpoint_interval`` steps."""
+    saving a distributed checkpoint every ``checkpoint_interval`` steps, from the initial weights of seed 0."""
     return ["--module", "llama3", "--config", "llama3_debugmodel", "--training.steps", str(steps),
             "--training.seq_len", str(seq_len), "--validator.no-enable", "--checkpoint.enable",
-            "--checkpoint.interval", str(checkpoint_interval), "--parallelism.spmd_backend", "partial_dtensor"]
+            "--checkpoint.interval", str(checkpoint_interval), "--parallelism.spmd_backend", "partial_dtensor",
+            "--debug.seed", "0"]
 
 
 def _torchrun(folder: Path, processes: int, arguments: list[str], timeout: float) -> str:
