@@ -145,8 +145,10 @@ def _check_static_cache_generate(reference: torch.nn.Module, tp: int, stepwise: 
                 assert tuple(hf_tpu.sharding_of(cache).spec) == (None, "tp", None, None)
         # each chip holds its half of the cache (and the tokens), not a whole copy
         assert all(whole / tp <= share < whole / tp + 1024 for share in grown[:tp]), (grown, whole)
-        # and never held more: the cache is made on its shards (not zeros on tpu:0, then split)
-        assert peaks[0] - peaks[1] < whole / len(layers) / 4, (peaks, whole)
+        # and never held more: the cache is made on its shards (not zeros on tpu:0, then split, which would add
+        # the whole cache there); tpu:0 holds the prompt's and the prefill's one-chip values (its mask, over the
+        # prompt padded to 64 positions) besides
+        assert peaks[0] - peaks[1] < whole, (peaks, whole)
 
 
 def case_llama_static_cache_generate_is_compiled_once_and_sharded():

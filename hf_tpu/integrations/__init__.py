@@ -15,7 +15,7 @@ __all__ = ["INTEGRATIONS", "install", "traced_by_dynamo", "when_imported"]
 
 # module name -> integration module(s) (in this package) whose ``install(module)`` patches it
 INTEGRATIONS: dict[str, str | tuple[str, ...]] = {
-    "transformers.generation.utils": "generation",
+    "transformers.generation.utils": ("generation", "bucketed_prefill"),
     "transformers.generation.continuous_batching.cache": "continuous_batching",
     "transformers.cli.serving.utils": "serving",  # `transformers serve`
     "accelerate.utils.modeling": "accelerate",  # not "accelerate": its __init__ imports torch first
