@@ -168,3 +168,27 @@ def test_a_tpu_models_requests_generate_with_a_static_cache_unless_one_is_chosen
     assert request_settings(model, {"cache_implementation": "dynamic"}) == {"cache_implementation": "dynamic"}
     model.generation_config.cache_implementation = "dynamic"
     assert request_settings(model, {}) == {}
+
+
+def test_a_tpu_models_prompts_are_padded_on_the_left_to_a_bucket_unless_a_setting_reads_them():
+    """A prompt of 5 tokens becomes one of 64 (the pad token under a mask of zeros), so that prompts of many lengths
+    share generate's programs; settings that read the prompt's tokens, or count lengths from its start, keep it."""
+    import torch
+
+    from conftest import tiny_llama
+    from hf_tpu.integrations.serving import padded_prompt
+
+    model = tiny_llama().to("tpu")
+    model.generation_config.pad_token_id = 0
+    prompt = torch.arange(1, 6)[None]
+    greedy = {"max_new_tokens": 4, "do_sample": False, "temperature": 0.0, "min_new_tokens": 4}
+    padded = padded_prompt(model, {"input_ids": prompt}, greedy)
+    assert torch.equal(padded["input_ids"], torch.cat([torch.zeros(1, 59, dtype=torch.long), prompt], dim=1))
+    assert torch.equal(padded["attention_mask"], torch.cat([torch.zeros(1, 59), torch.ones(1, 5)], dim=1).long())
+    for reads_the_prompt in ({"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2}, {"min_length": 9}):
+        inputs = {"input_ids": prompt}
+        assert padded_prompt(model, inputs, {**greedy, **reads_the_prompt}) is inputs
+    inputs = {"input_ids": torch.arange(64)[None]}
+    assert padded_prompt(model, inputs, greedy) is inputs  # a bucket's length already
+    inputs = {"input_ids": prompt}
+    assert padded_prompt(model.cpu(), inputs, greedy) is inputs
