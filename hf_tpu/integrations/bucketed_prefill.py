@@ -24,11 +24,16 @@ import torch
 _PADDED = ("input_ids", "attention_mask", "position_ids")
 
 
+def _cache_in(model_kwargs: dict) -> Any:
+    """The cache among generate's model inputs: ``cache`` since transformers 5.2x, ``past_key_values`` before."""
+    return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+
+
 def prefill_padding(model: Any, input_ids: torch.Tensor, generation_config: Any, model_kwargs: dict) -> int:
     """The positions to pad a prefill of ``input_ids`` with on tpu; 0 to prefill the prompt as it is."""
     from .generation import _decoder_static_cache, bucket
 
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    cache = _cache_in(model_kwargs)
     mask = model_kwargs.get("attention_mask")
     if (
         input_ids.device.type != "tpu" or model.config.is_encoder_decoder
@@ -53,12 +58,15 @@ def _keep_the_prompt_only(cache: Any, length: int) -> None:
     and zeros where the padding was written."""
     from .. import sharding
 
+    paddings: dict[tuple, torch.Tensor] = {}  # one mask for the layers of one length and placement
     for layer in cache.layers:
-        padding = torch.arange(layer.max_cache_len)[:, None] >= length  # slot by slot, made on the host
         mesh = getattr(sharding.sharding_of(layer.keys), "mesh", None)  # a sharded cache: on each of its chips
-        padding = padding.to(layer.keys.device) if mesh is None else sharding.distribute(padding, mesh)
-        layer.keys.masked_fill_(padding, 0)
-        layer.values.masked_fill_(padding, 0)
+        key = (layer.max_cache_len, layer.keys.device, mesh)
+        if key not in paddings:
+            padding = torch.arange(layer.max_cache_len)[:, None] >= length  # slot by slot, made on the host
+            paddings[key] = padding.to(layer.keys.device) if mesh is None else sharding.distribute(padding, mesh)
+        layer.keys.masked_fill_(paddings[key], 0)
+        layer.values.masked_fill_(paddings[key], 0)
         layer.cumulative_length.fill_(length)
 
 
@@ -82,7 +90,7 @@ def _install(mixin: Any) -> None:
         padded["logits_to_keep"] = torch.tensor([length - 1], device=input_ids.device)
         outputs = prefill(self, torch.nn.functional.pad(input_ids, (0, padding)), generation_config, padded,
                           is_first_iteration=is_first_iteration)
-        _keep_the_prompt_only(model_kwargs.get("cache", model_kwargs.get("past_key_values")), length)
+        _keep_the_prompt_only(_cache_in(model_kwargs), length)
         return outputs
 
     prefill_in_buckets._hf_tpu = True
