@@ -62,6 +62,50 @@ def test_padded_sizes_bound_the_programs_of_a_run():
     assert len(sizes) <= (math.log2(256 / 16) + 2) * (math.log2(16384 / 256) + 2)
 
 
+def test_padding_intervals_set_by_the_user_replace_the_powers_of_two():
+    q_sizes = {continuous_batching.padded_sizes(q, 0, 256, 16384, 256, q_interval=48)[0] for q in range(1, 257)}
+    assert q_sizes == {48, 96, 144, 192, 240, 256}  # multiples of the interval, at most the batch
+    kv_sizes = {continuous_batching.padded_sizes(16, kv, 256, 16384, 256, kv_interval=1000)[1]
+                for kv in range(0, 16385, 7)}
+    assert min(kv_sizes) == 1000 and max(kv_sizes) == 16384 and all(
+        size % 1000 == 0 for size in kv_sizes - {16384})  # a batch that reads nothing reads one interval
+    assert continuous_batching.padded_sizes(20, 300, 256, 16384, 256, kv_interval=1000) == (32, 1000)
+
+    config = tiny_llama().config
+    resolved = {}
+    for device in ("tpu", "cpu"):
+        for given in ({}, {"q_padding_interval_size": 32, "kv_padding_interval_size": 512}):
+            cb_config = resolve_continuous_batching_config(
+                config=config, cb_config=ContinuousBatchingConfig(**given), workload_hints=None,
+                has_logit_processors=False, device=torch.device(device))
+            resolved[device, bool(given)] = cb_config.q_padding_interval_size, cb_config.kv_padding_interval_size
+    assert resolved["tpu", True] == resolved["cpu", True] == (32, 512)
+    assert resolved["tpu", False] == (0, 0)  # unset on tpu: hf_tpu's powers of two, not transformers' 64
+    assert resolved["cpu", False] != (0, 0)  # transformers' own defaults elsewhere
+
+
+def test_a_run_with_the_users_padding_intervals_gives_cpus_tokens(monkeypatch):
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    sizes = []
+    pad_inputs = ModelRunner.maybe_pad_inputs
+
+    def maybe_pad_inputs(self, *args, **kwargs):
+        sizes.append(pad_inputs(self, *args, **kwargs))
+        return sizes[-1]
+
+    monkeypatch.setattr(ModelRunner, "maybe_pad_inputs", maybe_pad_inputs)
+    model = tiny_llama(max_position_embeddings=256).eval()
+    prompts = [torch.randint(3, 120, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+               for length in (5, 37, 3, 60, 12)]
+    settings = dict(num_blocks=8, max_batch_tokens=64, max_blocks_per_request=0, q_padding_interval_size=24,
+                    kv_padding_interval_size=96)
+    expected = _generate_batch(model, prompts, ContinuousBatchingConfig(**settings))
+    sizes.clear()
+    assert _generate_batch(model.to("tpu"), prompts, ContinuousBatchingConfig(**settings)) == expected
+    assert sizes and all(q in (24, 48, 64) and (kv % 96 == 0 or kv == 8 * 256) for q, kv in sizes)
+
+
 def _generate_batch(model, prompts, cb_config=None, **generation):
     generation = GenerationConfig(**{"max_new_tokens": 6, "eos_token_id": -1, "pad_token_id": 0, **generation})
     cb_config = cb_config or ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=64)

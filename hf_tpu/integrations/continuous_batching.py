@@ -10,7 +10,9 @@ at least one page and at most the cache. A batch that reads nothing from the cac
 batch of every run) reads a page too: transformers gives it a path of its own (no read), which would be a
 Dynamo graph and programs of their own. A run therefore compiles at most
 ``(log2(max_batch_tokens / MIN_QUERY_TOKENS) + 2) * (log2(max_tokens_read / page_size) + 2)`` programs of the step,
-whatever the number and lengths of its requests (:func:`padded_sizes`). A compile config of the user's is used as
+whatever the number and lengths of its requests (:func:`padded_sizes`). A user who sets transformers'
+``q_padding_interval_size`` or ``kv_padding_interval_size`` gets that size padded to a multiple of the interval
+instead (finer intervals: less padded work a step, more programs). A compile config of the user's is used as
 given, with these sizes. transformers' warm-up, which runs a step at the largest sizes so that CUDA graphs are
 captured before any request, is skipped: on tpu it would compile a program of a batch that may never come, with an
 attention over the whole cache (tens of GiB for a cache sized from the memory), and each program compiles when a
@@ -181,11 +183,18 @@ def _install_tpu_decode_fast_path(initialization: Any) -> None:
     @functools.wraps(resolve)
     def resolve_continuous_batching_config(*args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device", args[4] if len(args) > 4 else None)
-        resolving = _RESOLVING_FOR.set(None if device is None else torch.device(device))
+        device = None if device is None else torch.device(device)
+        given = kwargs.get("cb_config", args[1] if len(args) > 1 else None)
+        resolving = _RESOLVING_FOR.set(device)
         try:
-            return resolve(*args, **kwargs)
+            resolved = resolve(*args, **kwargs)
         finally:
             _RESOLVING_FOR.reset(resolving)
+        if device is not None and device.type == "tpu":  # intervals left unset: hf_tpu's powers of two
+            for interval in ("q_padding_interval_size", "kv_padding_interval_size"):
+                if not getattr(given, interval):
+                    setattr(resolved, interval, 0)
+        return resolved
 
     @functools.wraps(ensure)
     def ensure_decode_fast_path_is_available(config: Any, cb_config: Any, user_requested: bool) -> None:
@@ -280,12 +289,20 @@ def _power_of_two_at_least(size: int, least: int, most: int) -> int:
     return min(most, 1 << max(0, math.ceil(math.log2(max(size, least)))))
 
 
+def _padded(size: int, interval: int, least: int, most: int) -> int:
+    if interval > 0:
+        return min(most, max(1, -(-size // interval)) * interval)
+    return _power_of_two_at_least(size, least, most)
+
+
 def padded_sizes(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max_tokens_read: int,
-                 page_size: int) -> tuple[int, int]:
-    """The query tokens and cache tokens a tpu step of continuous batching runs with: powers of two (see the module
-    docstring), so that a run compiles a bounded number of programs."""
-    num_q_tokens = _power_of_two_at_least(num_q_tokens, MIN_QUERY_TOKENS, max_batch_tokens)
-    return num_q_tokens, _power_of_two_at_least(max_kv_read, page_size, max_tokens_read)
+                 page_size: int, q_interval: int = 0, kv_interval: int = 0) -> tuple[int, int]:
+    """The query tokens and cache tokens a tpu step of continuous batching runs with, so that a run compiles a
+    bounded number of programs: multiples of ``q_interval`` and ``kv_interval`` (transformers'
+    ``q_padding_interval_size`` and ``kv_padding_interval_size``, at least one interval) where they are set, else
+    powers of two (see the module docstring); at most ``max_batch_tokens`` and ``max_tokens_read``."""
+    return (_padded(num_q_tokens, q_interval, MIN_QUERY_TOKENS, max_batch_tokens),
+            _padded(max_kv_read, kv_interval, page_size, max_tokens_read))
 
 
 def _install_compiled_tpu_steps(model_runner: Any) -> None:
@@ -311,7 +328,8 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
         if torch.device(self.cache.device).type != "tpu" or use_decode_fast_path:
             return maybe_pad_inputs(self, num_q_tokens, max_kv_read, use_decode_fast_path)
         return padded_sizes(num_q_tokens, max_kv_read, self.cache.max_batch_tokens, self.cache.max_tokens_read,
-                            self.cb_config.page_size)
+                            self.cb_config.page_size, self.cb_config.q_padding_interval_size,
+                            self.cb_config.kv_padding_interval_size)
 
     @functools.wraps(warmup)
     def warm_up_unless_on_tpu(self: Any, model: Any) -> None:
