@@ -787,7 +787,9 @@ def test_common_calls_in_fused_mode_reuse_strict_modes_programs_and_results(monk
     assert recorded_by == ["record_plainly"] * 17 + ["run"] * 2, recorded_by
     assert dispatch.eager_program_count() == programs
     assert_bitwise(fused_results, strict)
-    assert_bitwise(fused_results, common_calls(x, w, x > 0))
+    # CPU's: XLA's dot (``linear``) and torch's CPU matmul may round differently, by the host's vector units
+    for result, expected in zip(fused_results, common_calls(x, w, x > 0), strict=True):
+        torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_scalars_a_dtype_cannot_hold_raise_cpus_error_in_fused_mode():
