@@ -1,13 +1,12 @@
 """TorchTitan 0.3.0 (PyTorch's reference pre-training trainer, from PyPI, unpatched) trains its stock Llama 3 debug
 model on tpu: FlexAttention, selective activation checkpointing, ``torch.compile`` with no eager fallback
 (``HF_TPU_STRICT_COMPILE=1``), FSDP2 and tensor parallelism over two ``tpu_dist`` processes, distributed checkpoints
-saved and resumed.
+saved and resumed, and FSDP2 with tensor parallelism over four.
 The losses of every run equal one process's, and a run resumed from its checkpoint continues the same curve. Within
 what tolerance: after two AdamW updates, equally valid float32 orders of reductions (one process compiled against
 eager) move the loss by up to about 1e-3, depending on the initial weights; a resume that loses the optimizer's
 state moves step 4's loss by 0.39. Runs are launched by tests/torchtitan_runs.py, on assets
-(tokenizer, dataset, seed checkpoint) the test makes itself. FSDP2 x TP=2 on four processes runs in
-benchmarks/torchtitan.py, not here: four more processes beside the suite's workers go past CI's 24 GiB.
+(tokenizer, dataset, seed checkpoint) the test makes itself.
 """
 
 from __future__ import annotations
@@ -42,8 +41,19 @@ def test_one_compiled_process_and_two_fsdp2_processes_resumed_from_a_checkpoint_
     assert {**first, **resumed} == pytest.approx(one, abs=TOLERANCE)
 
 
-def test_tensor_parallelism_over_two_processes_gives_one_process_curve(folder):
-    one = _losses(train(folder, "one_short", 1, 2, (), options(2, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
+@pytest.fixture(scope="module")
+def two_steps_of_one_process(folder):
+    return _losses(train(folder, "one_short", 1, 2, (), options(2, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
+
+
+def test_tensor_parallelism_over_two_processes_gives_one_process_curve(folder, two_steps_of_one_process):
     tensor_parallel = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
     split = _losses(train(folder, "tp2", 2, 2, tensor_parallel, options(2, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
-    assert list(split) == [1, 2] and split == pytest.approx(one, abs=TOLERANCE), (split, one)
+    assert list(split) == [1, 2] and split == pytest.approx(two_steps_of_one_process, abs=TOLERANCE), split
+
+
+def test_fsdp2_and_tensor_parallelism_over_four_processes_give_one_process_curve(folder, two_steps_of_one_process):
+    """A 2 x 2 mesh: FSDP2 over the data-parallel pairs, each pair's ranks splitting every layer; one sample a rank."""
+    parallelism = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2")
+    split = _losses(train(folder, "fsdp2_tp2", 4, 1, parallelism, options(2, SEQ_LEN, 2), LAUNCH_TIMEOUT_S))
+    assert list(split) == [1, 2] and split == pytest.approx(two_steps_of_one_process, abs=TOLERANCE), split
