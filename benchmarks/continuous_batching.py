@@ -27,10 +27,11 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
     return [[draw.randrange(3, vocab) for _ in range(draw.randint(4, 64))] for _ in range(count)]
 
 
-def continuous_batching(model: torch.nn.Module, inputs: list[list[int]], tokens: int) -> dict:
-    """A cold and a warm ``generate_batch`` through one persistent manager: seconds, tokens and programs compiled."""
+def continuous_batching(model: torch.nn.Module, inputs: list[list[int]], tokens: int, **intervals: int) -> dict:
+    """A cold and a warm ``generate_batch`` through one persistent manager: seconds, tokens and programs compiled.
+    ``intervals``: transformers' ``q_padding_interval_size`` / ``kv_padding_interval_size``, where set."""
     generation = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256)
+    config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, **intervals)
     runs = {}
     for name in ("cold", "warm"):
         compiled = torch.tpu.compile_stats()["compilations"]
@@ -70,17 +71,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--q-interval", type=int, default=0,
+                        help="pad a tpu step's query tokens to multiples of this (default: powers of two)")
+    parser.add_argument("--kv-interval", type=int, default=0,
+                        help="pad the cache tokens a tpu step reads to multiples of this (default: powers of two)")
     args = parser.parse_args()
+    intervals = {"q_padding_interval_size": args.q_interval, "kv_padding_interval_size": args.kv_interval}
     model, _ = tiny_llama()
     model.eval()
     inputs = prompts(args.requests, model.config.vocab_size)
     generated = args.requests * args.tokens
     cpu = continuous_batching(model, inputs, args.tokens)
     model.to("tpu")
-    tpu = continuous_batching(model, inputs, args.tokens)
+    tpu = continuous_batching(model, inputs, args.tokens, **intervals)
     static_seconds = static_generate(model, inputs, args.tokens)
     static_peak = peak_bytes(lambda: static_generate(model, inputs, args.tokens))
-    paged_peak = peak_bytes(lambda: continuous_batching(model, inputs, args.tokens))
+    paged_peak = peak_bytes(lambda: continuous_batching(model, inputs, args.tokens, **intervals))
 
     print(f"tpu device backed by: {torch.tpu.get_device_name()}; torch threads: {torch.get_num_threads()}")
     print(f"{args.requests} requests of 4-64 prompt tokens, {args.tokens} greedy tokens each\n")
