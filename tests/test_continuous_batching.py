@@ -57,9 +57,9 @@ def test_on_the_cpu_platform_the_default_cache_is_bounded(monkeypatch):
 def test_padded_sizes_bound_the_programs_of_a_run():
     reads = [*range(0, 16385, 61), *(2 ** n + d for n in range(17) for d in (-1, 0, 1) if 2 ** n + d <= 16384)]
     sizes = {continuous_batching.padded_sizes(q, kv, 256, 16384, 256) for q in range(1, 257) for kv in reads}
-    assert {q for q, _ in sizes} == {16, 32, 64, 128, 256}
+    assert {q for q, _ in sizes} == {64, 128, 256}
     assert {kv for _, kv in sizes} == {256, 512, 1024, 2048, 4096, 8192, 16384}  # none without a read
-    assert len(sizes) <= (math.log2(256 / 16) + 2) * (math.log2(16384 / 256) + 2)
+    assert len(sizes) <= (math.log2(256 / continuous_batching.MIN_QUERY_TOKENS) + 2) * (math.log2(16384 / 256) + 2)
 
 
 def test_padding_intervals_set_by_the_user_replace_the_powers_of_two():
@@ -69,7 +69,7 @@ def test_padding_intervals_set_by_the_user_replace_the_powers_of_two():
                 for kv in range(0, 16385, 7)}
     assert min(kv_sizes) == 1000 and max(kv_sizes) == 16384 and all(
         size % 1000 == 0 for size in kv_sizes - {16384})  # a batch that reads nothing reads one interval
-    assert continuous_batching.padded_sizes(20, 300, 256, 16384, 256, kv_interval=1000) == (32, 1000)
+    assert continuous_batching.padded_sizes(20, 300, 256, 16384, 256, kv_interval=1000) == (64, 1000)
 
     config = tiny_llama().config
     resolved = {}
@@ -125,11 +125,11 @@ def test_continuous_batching_compiles_a_bounded_number_of_programs_and_gives_cpu
     compiled = compile_stats()["compilations"] - before["compilations"]
 
     assert tokens == expected and all(len(t) == 6 for t in tokens)
-    # query tokens padded to 16, 32 or 64; tokens read to 0 or a power of two from one page (256) to the cache
-    assert 0 < compiled <= 3 * 5
+    # query tokens padded to 64; tokens read to a power of two from one page (256) to the cache
+    assert 0 < compiled <= 1 * 5
     assert compile_stats()["fallbacks"] == before["fallbacks"]  # every step ran as one program
     assert _generate_batch(model, prompts[::-1]) == expected[::-1]  # new lengths of batches, the same programs
-    assert compile_stats()["compilations"] - before["compilations"] <= 3 * 5
+    assert compile_stats()["compilations"] - before["compilations"] <= 1 * 5
 
 
 def test_a_tpu_caches_tensors_are_static_inputs_of_the_steps():
@@ -245,9 +245,9 @@ def test_decode_steps_read_each_requests_pages_and_give_cpus_tokens(monkeypatch)
     assert sum(decode_batches) >= 8  # most steps of 12 requests x 12 tokens decode through block tables
     assert compile_stats()["fallbacks"] == before["fallbacks"]
     compiled = compile_stats()["compilations"] - before["compilations"]
-    # varlen: query tokens 16, 32 or 64 x tokens read 0 or a power of two from a page; decode: 1 to 16
-    # requests (5 sizes) x 16 to 128 keys read (4 sizes)
-    assert 0 < compiled <= 3 * 5 + 5 * 4
+    # varlen: query tokens 64 x tokens read a power of two from a page (16) to the cache (256); decode: 8 or 16
+    # requests x 64 or 128 keys read
+    assert 0 < compiled <= 1 * 5 + 2 * 2
     unpaged = _generate_batch(model, prompts, ContinuousBatchingConfig(**config, max_blocks_per_request=0),
                               max_new_tokens=12)
     assert unpaged == expected  # the path turned off: every step through the mask, the same tokens

@@ -35,10 +35,11 @@ transformers enables it only for flash attention's ``flash_attn_with_kvcache`` o
 with SDPA attention (what continuous batching uses by default) it is enabled here, and the block-table call of
 SDPA runs :func:`paged_decode_attention` (the cache's update first writes the new token into its page,
 :func:`write_decode_tokens`): a gather of each request's keys and one attention per request, all inside the
-step's program. Each request reads as many keys as the longest request of the batch has, padded to a power of
-two from 16 (transformers' ``max_length_k``, which it leaves at 1 on this path), and the block table sent to the
-chip keeps the columns of those keys' pages, so decode steps compile at most
-``(log2(max_requests_per_batch) + 1) * (log2(max_blocks_per_request * page_size / 16) + 1)`` programs, and a
+step's program. The requests are padded to a power of two from :data:`MIN_DECODE_REQUESTS`; each request reads
+as many keys as the longest request of the batch has, padded to a power of two from :data:`MIN_DECODE_KEYS`
+(transformers' ``max_length_k``, which it leaves at 1 on this path), and the block table sent to the chip keeps
+the columns of those keys' pages, so decode steps compile at most ``(log2(max_requests_per_batch /
+MIN_DECODE_REQUESTS) + 1) * (log2(max_blocks_per_request * page_size / MIN_DECODE_KEYS) + 1)`` programs, and a
 step's attention reads requests x their keys, not query tokens x every cached token of the batch.
 ``max_blocks_per_request=0`` turns the path off, as elsewhere.
 
@@ -78,10 +79,17 @@ from . import traced_by_dynamo
 HOST_CACHE_BYTES = 4 << 30
 """The most a paged cache takes by default on JAX's CPU platform (the host's memory)."""
 
-MIN_QUERY_TOKENS = 16
+# Floors of the padded sizes: a step of a few tokens, requests or keys costs a chip about what one of these costs
+# (its weights are read either way), and each size below them would be programs of its own, which a server under
+# load meets one by one for several passes (with floors of 16, 16 and 1, the serving benchmark's continuous-batching
+# server still compiled in its fourth pass of 64 requests)
+MIN_QUERY_TOKENS = 64
 """The fewest query tokens a compiled continuous-batching step on tpu is padded to."""
 
-MIN_DECODE_KEYS = 16
+MIN_DECODE_REQUESTS = 8
+"""The fewest requests a decode step of continuous batching on tpu is padded to (at most ``max_requests_per_batch``)."""
+
+MIN_DECODE_KEYS = 64
 """The fewest keys each request of a decode step on tpu reads (see the module docstring)."""
 
 _SIZED_FOR: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar("hf_tpu_paged_cache", default=None)
@@ -325,8 +333,11 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
 
     @functools.wraps(maybe_pad_inputs)
     def pad_inputs(self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:
-        if torch.device(self.cache.device).type != "tpu" or use_decode_fast_path:
+        if torch.device(self.cache.device).type != "tpu":
             return maybe_pad_inputs(self, num_q_tokens, max_kv_read, use_decode_fast_path)
+        if use_decode_fast_path:
+            num_q_tokens, max_kv_read = maybe_pad_inputs(self, num_q_tokens, max_kv_read, use_decode_fast_path)
+            return min(max(num_q_tokens, MIN_DECODE_REQUESTS), self.cb_config.max_requests_per_batch), max_kv_read
         return padded_sizes(num_q_tokens, max_kv_read, self.cache.max_batch_tokens, self.cache.max_tokens_read,
                             self.cb_config.page_size, self.cb_config.q_padding_interval_size,
                             self.cb_config.kv_padding_interval_size)
