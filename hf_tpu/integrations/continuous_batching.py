@@ -297,20 +297,19 @@ def _power_of_two_at_least(size: int, least: int, most: int) -> int:
     return min(most, 1 << max(0, math.ceil(math.log2(max(size, least)))))
 
 
-def _padded(size: int, interval: int, least: int, most: int) -> int:
-    if interval > 0:
-        return min(most, max(1, -(-size // interval)) * interval)
-    return _power_of_two_at_least(size, least, most)
-
-
 def padded_sizes(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max_tokens_read: int,
                  page_size: int, q_interval: int = 0, kv_interval: int = 0) -> tuple[int, int]:
     """The query tokens and cache tokens a tpu step of continuous batching runs with, so that a run compiles a
     bounded number of programs: multiples of ``q_interval`` and ``kv_interval`` (transformers'
     ``q_padding_interval_size`` and ``kv_padding_interval_size``, at least one interval) where they are set, else
     powers of two (see the module docstring); at most ``max_batch_tokens`` and ``max_tokens_read``."""
-    return (_padded(num_q_tokens, q_interval, MIN_QUERY_TOKENS, max_batch_tokens),
-            _padded(max_kv_read, kv_interval, page_size, max_tokens_read))
+    from transformers.generation.continuous_batching.utils import pad_to_interval
+
+    def padded(size: int, interval: int, least: int, most: int) -> int:
+        return pad_to_interval(size, interval, most) if interval > 0 else _power_of_two_at_least(size, least, most)
+
+    return (padded(num_q_tokens, q_interval, MIN_QUERY_TOKENS, max_batch_tokens),
+            padded(max_kv_read, kv_interval, page_size, max_tokens_read))
 
 
 def _install_compiled_tpu_steps(model_runner: Any) -> None:
