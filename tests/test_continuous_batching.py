@@ -145,13 +145,12 @@ def test_a_tpu_caches_tensors_are_static_inputs_of_the_steps():
     assert views and all(getattr(view, "_dynamo_static_indices", set()) == set(range(view.dim())) for view in views)
 
 
-def test_a_batch_as_large_as_the_head_dimension_keeps_the_decode_step_dynamic():
+def test_a_batch_as_large_as_the_head_dimension_keeps_the_decode_step_dynamic(fresh_dynamo):
     model = tiny_llama().eval()
     head_dim = model.config.hidden_size // model.config.num_attention_heads  # 16: the first decode batch's size
     prompts = [[3 + i, 5, 7] for i in range(head_dim)]  # one prefill batch, then decode steps of them all
     expected = _generate_batch(model, prompts)
-    model.to("tpu")
-    torch._dynamo.reset()  # no step graphs of earlier tests: these runs trace their own
+    model.to("tpu")  # no step graphs of earlier tests or processes (fresh_dynamo): these runs trace their own
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert _generate_batch(model, prompts) == expected
     assert _generate_batch(model, prompts[:head_dim // 2]) == expected[:head_dim // 2]  # decode steps of 8

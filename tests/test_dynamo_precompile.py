@@ -266,19 +266,26 @@ def test_a_process_that_loads_a_function_knows_which_int_inputs_were_dynamic(tmp
 
 
 _DEFAULT_CHILD = r"""
-import json
+import json, threading
 import torch
 config = torch._dynamo.config
 before = config.caching_precompile
 torch.ones(1).to("tpu")
-print(json.dumps({"before": before, "after": config.caching_precompile}))
+seen = {}
+thread = threading.Thread(target=lambda: seen.update(on=config.caching_precompile, job=torch.compiler.config.job_id))
+thread.start()
+thread.join()
+print(json.dumps({"before": before, "after": config.caching_precompile, "thread": seen["on"],
+                  "same job": seen["job"] == torch.compiler.config.job_id}))
 """
 
 
 @pytest.mark.parametrize("setting, expected", [({}, True), ({"TORCH_CACHING_PRECOMPILE": "0"}, False),
                                                ({"HF_TPU_CACHE_DIR": "off"}, False)])
 def test_on_once_the_device_is_used_unless_turned_off(tmp_path: pathlib.Path, setting: dict, expected: bool) -> None:
-    assert _process(_DEFAULT_CHILD, str(tmp_path), **setting) == {"before": False, "after": expected}
+    """In every thread: torch 2.13's config values set by a thread are that thread's own."""
+    assert _process(_DEFAULT_CHILD, str(tmp_path), **setting) == {
+        "before": False, "after": expected, "thread": expected, "same job": True}
 
 
 _MODULES = """
@@ -370,3 +377,32 @@ def test_only_compiles_for_tpu_keep_a_package_by_default(tmp_path: pathlib.Path)
         assert outcome["value"] == [1.0, 3.0, 5.0]
         assert outcome["backend_calls"] == (2 if backend == "counting" else 0)
     assert os.listdir(os.path.join(cache, "torch", "dynamo"))
+
+
+_CONTINUOUS_BATCHING_CHILD = r"""
+import json
+import torch
+from torch._dynamo.utils import counters
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=64, eos_token_id=-1, pad_token_id=0)
+torch.manual_seed(0)
+model = LlamaForCausalLM(config).eval().to("tpu")
+prompts = [[3 + (7 * i + j) % 60 for j in range(4 + 5 * i)] for i in range(4)]
+outputs = model.generate_batch(prompts, GenerationConfig(max_new_tokens=6, do_sample=False),
+                               continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64))
+tokens = [outputs[name].generated_tokens for name in sorted(outputs, key=lambda name: int(name.split("_")[-1]))]
+print(json.dumps({"tokens": tokens, "traced": counters["stats"]["unique_graphs"],
+                  "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def test_continuous_batching_steps_are_loaded_by_the_next_process(tmp_path: pathlib.Path) -> None:
+    """Its generation thread compiles the prefill and decode steps (``dynamic=True``, the paged cache marked
+    static, its ``update`` a method guarded by Dynamo): a second process runs them from the package."""
+    first = _process(_CONTINUOUS_BATCHING_CHILD, str(tmp_path))
+    assert first["traced"] == 2 and first["loaded"] == 0  # a prefill step and a decode step
+    second = _process(_CONTINUOUS_BATCHING_CHILD, str(tmp_path))
+    assert second["traced"] == 0 and second["loaded"] == 1
+    assert second["tokens"] == first["tokens"] and all(len(tokens) == 6 for tokens in first["tokens"])

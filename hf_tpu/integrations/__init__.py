@@ -7,6 +7,7 @@ right after a module finishes importing, or at once if it already has) from :fun
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from .._import_hooks import when_imported
@@ -38,7 +39,8 @@ def traced_by_dynamo(fn: Callable) -> Callable:
     import torch._dynamo
 
     dont_skip_tracing = getattr(torch._dynamo, "dont_skip_tracing", None)
-    return fn if dont_skip_tracing is None else dont_skip_tracing(fn)
+    # named as ``fn``: Dynamo's caching precompile finds a method it saves by its name
+    return fn if dont_skip_tracing is None else functools.wraps(fn)(dont_skip_tracing(fn))
 
 
 def install() -> None:

@@ -1,22 +1,24 @@
 """transformers' continuous batching on tpu: compiled steps of bounded shapes, inputs staged on the host, and the
 paged cache sized from the chip's memory, not the host's.
 
-**Compiled steps.** transformers runs each batch eagerly unless a compile config is given, and pads a batch's
-query and key sizes only when it compiles. On tpu, eager batches of new sizes are new XLA programs at every
-step, so a tpu model's batches are compiled by default (``CompileConfig(dynamic=True)``: Dynamo traces once per
-manager, hf_tpu compiles one program per padded size), and the sizes are padded to powers of two: the query
-tokens to at least :data:`MIN_QUERY_TOKENS` and at most ``max_batch_tokens``, the tokens read from the cache to
-at least one page and at most the cache. A batch that reads nothing from the cache (new prompts only, the first
-batch of every run) reads a page too: transformers gives it a path of its own (no read), which would be a
-Dynamo graph and programs of their own. A run therefore compiles at most
-``(log2(max_batch_tokens / MIN_QUERY_TOKENS) + 2) * (log2(max_tokens_read / page_size) + 2)`` programs of the step,
-whatever the number and lengths of its requests (:func:`padded_sizes`). A user who sets transformers'
-``q_padding_interval_size`` or ``kv_padding_interval_size`` gets that size padded to a multiple of the interval
-instead (finer intervals: less padded work a step, more programs). A compile config of the user's is used as
-given, with these sizes. transformers' warm-up, which runs a step at the largest sizes so that CUDA graphs are
-captured before any request, is skipped: on tpu it would compile a program of a batch that may never come, with an
-attention over the whole cache (tens of GiB for a cache sized from the memory), and each program compiles when a
-batch of its size first comes.
+**Compiled steps.** transformers runs each batch eagerly unless a compile config is given, and pads a batch's query
+and key sizes only when it compiles. On tpu, eager batches of new sizes are new XLA programs at every step, so a tpu
+model's batches are compiled by default (``CompileConfig(dynamic=True)``: Dynamo traces once per manager, hf_tpu
+compiles one program per padded size), and the sizes are padded to powers of two: the query tokens to at least
+:data:`MIN_QUERY_TOKENS` and at most ``max_batch_tokens``, the tokens read from the cache to at least one page and at
+most the cache. A batch that reads nothing from the cache (new prompts only, the first batch of every run) reads a
+page too: transformers gives it a path of its own (no read), which would be a Dynamo graph and programs of their own.
+A run therefore compiles at most ``(log2(max_batch_tokens / MIN_QUERY_TOKENS) + 2) * (log2(max_tokens_read /
+page_size) + 2)`` programs of the step, whatever the number and lengths of its requests (:func:`padded_sizes`). A user
+who sets transformers' ``q_padding_interval_size`` or ``kv_padding_interval_size`` gets that size padded to a multiple
+of the interval instead (finer intervals: less padded work a step, more programs). A compile config of the user's is
+used as given, with these sizes. hf_tpu's default compiles the prefill (varlen) and decode steps as one compiled
+function (transformers makes two of the same method, Dynamo graphs of one code object either way), so that torch's
+caching precompile keeps both in one package (:mod:`hf_tpu.integrations.dynamo`): a new process, a restarted server,
+loads what Dynamo and AOTAutograd made of the steps instead of tracing them again. transformers' warm-up, which runs a
+step at the largest sizes so that CUDA graphs are captured before any request, is skipped: on tpu it would compile a
+program of a batch that may never come, with an attention over the whole cache (tens of GiB for a cache sized from the
+memory), and each program compiles when a batch of its size first comes.
 
 **One program per step.** transformers keeps ``PagedAttentionCache.update`` out of compiled graphs
 (``torch.compiler.disable``: Inductor does not handle the cache tensor's views), which splits a step at every
@@ -68,7 +70,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
-import types
 from typing import Any
 
 import torch
@@ -133,11 +134,14 @@ def _install_tpu_paged_cache(cache: Any) -> None:
         finally:
             _SIZED_FOR.reset(sizing)
         _mark_static(self)
-        self.update = types.MethodType(update, self)
 
+    # a method of the class, not of each tpu cache: Dynamo's caching precompile saves a bound method of an instance
+    # (a guard's value) only when the instance's attribute of its name is that method
     @traced_by_dynamo  # runs inside the compiled step; hf_tpu's files are skipped by Dynamo otherwise
     def update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.device.type != "tpu":
+            return disabled_update(self, key_states, value_states, layer_idx, kwargs)
         key_states, value_states = traced_update(self, key_states, value_states, layer_idx, kwargs)
         if kwargs.get("block_table") is not None:
             write_decode_tokens(kwargs["k_cache"], kwargs["v_cache"], key_states, value_states, kwargs["block_table"],
@@ -147,6 +151,7 @@ def _install_tpu_paged_cache(cache: Any) -> None:
     __init__._hf_tpu = True
     cache.get_device_and_memory_breakdown = get_device_and_memory_breakdown
     cache.PagedAttentionCache.__init__ = __init__
+    cache.PagedAttentionCache.update = update
 
 
 def _mark_static(cache: Any) -> None:
@@ -323,12 +328,17 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
     @functools.wraps(init)
     def __init__(self: Any, logit_processor: Any, cb_config: Any, inputs_and_outputs: Any, cache: Any,
                  *args: Any, **kwargs: Any) -> None:
-        if torch.device(cache.device).type == "tpu":
-            if cb_config.varlen_compile_config is None:
-                cb_config.varlen_compile_config = CompileConfig(fullgraph=False, dynamic=True)
-            if cb_config.decode_compile_config is None and cache.max_blocks_per_request > 0:
-                cb_config.decode_compile_config = CompileConfig(fullgraph=False, dynamic=True)
+        on_tpu = torch.device(cache.device).type == "tpu"
+        varlen = on_tpu and cb_config.varlen_compile_config is None
+        decode = on_tpu and cb_config.decode_compile_config is None and cache.max_blocks_per_request > 0
+        if varlen:
+            cb_config.varlen_compile_config = CompileConfig(fullgraph=False, dynamic=True)
+        elif decode:
+            cb_config.decode_compile_config = CompileConfig(fullgraph=False, dynamic=True)
         init(self, logit_processor, cb_config, inputs_and_outputs, cache, *args, **kwargs)
+        if varlen and decode:  # one compiled function for both steps: one package of Dynamo's caching precompile
+            cb_config.decode_compile_config = cb_config.varlen_compile_config
+            self._compiled_decode = self._compiled_varlen
 
     @functools.wraps(maybe_pad_inputs)
     def pad_inputs(self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:

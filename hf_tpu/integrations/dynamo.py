@@ -7,13 +7,13 @@ function's qualified name and first line, and installs it when ``torch.compile``
 new process or again in this one (the sources of the functions it inlined are checked first: an edited one drops
 the package).
 
-- **On by default where the device is used**: torch leaves it off unless ``TORCH_CACHING_PRECOMPILE=1``; it is
-  turned on when the process first uses the device, so a ``torch.compile`` made after that keeps its package
-  (a process that never uses tpu is left as torch has it). ``TORCH_CACHING_PRECOMPILE=0``, ``HF_TPU_CACHE_DIR=off``
-  or torch's ``force_disable_caches`` leave it off, and so does a torchrun launch (``WORLD_SIZE`` set). Only a
-  compile whose backend reaches hf_tpu (``eval_frame._optimize``: ``"tpu"``, or Inductor) and that is not
-  ``fullgraph=True`` keeps a package: a package stands in for the backend in later compiles of the function,
-  and torch 2.13 raises "found no compiled frames" when a loaded entry serves a ``fullgraph`` call.
+- **On by default where the device is used**: torch leaves it off unless ``TORCH_CACHING_PRECOMPILE=1``; it is turned
+  on when the process first uses the device, so a ``torch.compile`` made after that keeps its package (a process that
+  never uses tpu is left as torch has it), in every thread (:func:`_set_default`). ``TORCH_CACHING_PRECOMPILE=0``,
+  ``HF_TPU_CACHE_DIR=off`` or torch's ``force_disable_caches`` leave it off, and so does a torchrun launch
+  (``WORLD_SIZE`` set). Only a compile whose backend reaches hf_tpu (``eval_frame._optimize``: ``"tpu"``, or Inductor)
+  and that is not ``fullgraph=True`` keeps a package: a package stands in for the backend in later compiles of the
+  function, and torch 2.13 raises "found no compiled frames" when a loaded entry serves a ``fullgraph`` call.
 - **Dynamo's profile kept with it** (``torch/_dynamo/pgo.py``, ``get_cache_key``): torch keeps which inputs changed
   between calls only under a job id; hf_tpu names one (``hf_tpu``) when the user has not, so that a process that
   installs a package also knows which int inputs were dynamic (see :func:`_on_in_processes_using_tpu`).
@@ -61,7 +61,7 @@ Apart from precompile:
   tensors; a tpu optimizer kept them on the CPU, and every compiled step read each to the chip and copied it back
   (a host sync each: 14 ms of a 45 ms AdamW training step of a 4-layer Llama). Parameters all on tpu count too.
 
-For an HF model it fails four more ways, each changed here where the failure is (a no-op for everything else),
+For an HF model it fails in more ways, each changed here where the failure is (a no-op for everything else),
 plus when to write:
 
 - **Decorated functions in guards** (``torch/_dynamo/guards.py``, ``GuardsStatePickler.reducer_override``): a
@@ -70,6 +70,11 @@ plus when to write:
   its name), and transformers' ``deprecate_kwarg`` reads its ``__name__`` ("'_Missing' object has no attribute
   '__name__'"). Such a function is saved here as the object it is: the ``__wrapped__`` of what its name finds
   (:func:`_wrapped`).
+- **Tensors marked static or dynamic** (the same ``reducer_override``): a saved guard's tensor is rebuilt without
+  the markings of ``torch._dynamo.mark_static`` / ``mark_dynamic`` (attributes of the tensor), and its guard then
+  refuses every tensor that has them ("_has_dynamo_dim_marking is present on runtime tensor but was absent at
+  compile time": continuous batching's cache, marked static, was traced again in every process). The markings
+  are saved with the tensor here (:func:`_marked`).
 - **The module of the compiled code** (``torch/_dynamo/package.py``, ``CompilePackage._add_function``): the
   function's globals are taken to be those of the module ``fn.__module__`` names, but a decorated ``forward``'s
   wrapper runs in its decorator's module, so the loaded bytecode's imports are installed where it does not look
@@ -81,6 +86,10 @@ plus when to write:
   package puts its globals (``__builtins_dict___0``) in the module, and a frame traced afterwards in the same
   module (a recompile for another input shape) draws the same name from a counter that starts again in each
   process ("Name '__builtins_dict___0' already exists in scope"). Names already in the module are skipped here.
+- **The device of a graph with symbolic sizes** (``CompilePackage.update_device_type``): torch takes a package's
+  device from the first value of its graph, which for a graph compiled with ``dynamic=True`` is a size (a
+  ``SymInt``, taken for "cpu"): a tpu package (continuous batching's steps) was never written. Here it is the
+  device of the graph's first tensor.
 - **When to write**: torch writes packages only when asked (``torch.compiler.save_cache_artifacts()``, every
   package recorded so far); a package holding a tpu graph is written as soon as Dynamo records it
   (``DynamoCache.record_package``), that package alone, unless ``HF_TPU_CACHE_DIR=off``, so the next process
@@ -120,11 +129,12 @@ def install(dynamo: types.ModuleType) -> None:
     package = importlib.import_module("torch._dynamo.package")
     codegen = importlib.import_module("torch._dynamo.codegen")
     output_graph = importlib.import_module("torch._dynamo.output_graph")
-    _patch(guards.GuardsStatePickler, "reducer_override", _saving_wrapped_functions_by_name)
+    _patch(guards.GuardsStatePickler, "reducer_override", _saving_wrapped_functions_and_dim_markings)
     _patch(package.CompilePackage, "_add_function", _in_the_module_it_runs_in)
     _patch(codegen.PyCodegen, "create_load_python_module", _recording_the_import)
     _patch(output_graph.OutputGraph, "install_global", _skipping_names_in_use)
     _patch(package.DynamoCache, "record_package", _written_when_recorded)
+    _patch(package.CompilePackage, "update_device_type", _from_the_first_tensor)
     _patch(guards.CheckFunctionManager, "__init__", _keeping_every_guard)
     _patch(package.CompilePackage, "install", _undone_when_it_fails)
     _patch(package.CompilePackage, "initialize", _failing_as_torch_recovers)
@@ -161,9 +171,22 @@ def _on_in_processes_using_tpu() -> None:
     if ("TORCH_CACHING_PRECOMPILE" in os.environ or "WORLD_SIZE" in os.environ
             or runtime.compilation_cache_dir() is None or compiler_config.force_disable_caches):
         return
-    importlib.import_module("torch._dynamo.config").caching_precompile = True
+    _set_default(importlib.import_module("torch._dynamo.config"), "caching_precompile", True)
     if compiler_config.job_id is None:
-        compiler_config.job_id = _PROFILE_JOB
+        _set_default(compiler_config, "job_id", _PROFILE_JOB)
+
+
+def _set_default(config: types.ModuleType, name: str, value: Any) -> None:
+    """Sets a torch config's default, for every thread: since torch 2.13 a value set on a config module is the
+    setting thread's only (a context variable), and a compile in another thread (continuous batching's
+    generation loop, a server's request threads) saw torch's default. A value a thread sets keeps precedence."""
+    entry = getattr(config, "_config", {}).get(name)
+    if entry is None or not hasattr(config, "_hash_dirty_var"):  # before torch 2.13: one value for every thread
+        setattr(config, name, value)
+        return
+    entry.default = value
+    config._hash_dirty_var.set(True)
+    config._mark_get_dict_dirty(name)
 
 
 def _patch(owner: Any, name: str, change: Callable[[Callable], Callable]) -> None:
@@ -232,14 +255,33 @@ def _depth_below_its_name(function: types.FunctionType) -> int | None:
     return None
 
 
-def _saving_wrapped_functions_by_name(original: Callable) -> Callable:
+def _saving_wrapped_functions_and_dim_markings(original: Callable) -> Callable:
     def reducer_override(self: Any, obj: Any) -> Any:
         if inspect.isfunction(obj) and id(obj) not in self.missing_values and id(obj) not in self.empty_values:
             depth = _depth_below_its_name(obj)
             if depth:
                 return _wrapped, (obj.__module__, obj.__qualname__, depth)
-        return original(self, obj)
+        reduced = original(self, obj)
+        if isinstance(reduced, tuple) and getattr(obj, "_has_dynamo_dim_marking", False):
+            markings = {name: getattr(obj, name) for name in _DIM_MARKINGS if hasattr(obj, name)}
+            return _marked, (reduced[0], reduced[1], markings)
+        return reduced
     return reducer_override
+
+
+_DIM_MARKINGS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+                 "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_dynamo_shape_ids",
+                 "_dynamo_unbacked_bounds")
+"""What ``torch._dynamo.mark_static`` / ``mark_dynamic`` / ``mark_unbacked`` set on a tensor, and its guards check."""
+
+
+def _marked(rebuild: Callable, args: tuple, markings: dict[str, Any]) -> Any:
+    """A saved guard's tensor, rebuilt with the dimension markings it had (see the docstring)."""
+    tensor = rebuild(*args)
+    for name, value in markings.items():
+        setattr(tensor, name, value)
+    tensor._has_dynamo_dim_marking = True
+    return tensor
 
 
 def _in_the_module_it_runs_in(original: Callable) -> Callable:
@@ -291,6 +333,19 @@ def _written_when_recorded(original: Callable) -> Callable:
             warnings.warn(f"hf_tpu: torch's caching precompile could not save {entry.fn_name} "
                           f"({type(error).__name__}: {error}); the next process traces it again.", stacklevel=2)
     return record_package
+
+
+def _from_the_first_tensor(original: Callable) -> Callable:
+    def update_device_type(self: Any, graph: Any) -> None:
+        import torch
+
+        original(self, graph)
+        for node in () if graph is None else graph.nodes:
+            value = node.meta.get("example_value", node.meta.get("val"))
+            if isinstance(value, torch.Tensor):
+                self._device_type = value.device.type
+                return
+    return update_device_type
 
 
 def _keeping_every_guard(original: Callable) -> Callable:
