@@ -2,16 +2,20 @@
 
 tiny_llama.py's model (hidden 256, 4 layers) generates ``--tokens`` tokens (greedy) for each of ``--requests``
 prompts of 4 to 64 tokens, through ``model.generate_batch`` with a persistent manager: a cold call (compiles and
-warms up) then a warm one, on CPU and on tpu. The same prompts then go to one ``generate`` call on tpu with a
-static cache, left-padded to one batch. Prints tokens/s, the programs each tpu run compiled, whether the tpu
-tokens are the CPU's, the peak device memory of the static-cache and paged-cache runs, and the ratios
+warms up) then a warm one, on CPU and on tpu; the cold call starts from empty caches (XLA's programs, and what
+Dynamo and AOTAutograd made of the steps; ``benchmarks/serving.py`` measures a server restarted on filled ones).
+The same prompts then go to one ``generate`` call on tpu with a static cache, left-padded to one batch. Prints
+tokens/s, the programs each tpu run compiled, whether the tpu tokens are the CPU's, the peak device memory of the
+static-cache and paged-cache runs, and the ratios
 (the issue's goals: tpu continuous batching at least CPU's tokens/s, and within 1.5x of batched static generate).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import tempfile
 import time
 
 import torch
@@ -77,6 +81,9 @@ def main() -> None:
                         help="pad the cache tokens a tpu step reads to multiples of this (default: powers of two)")
     args = parser.parse_args()
     intervals = {"q_padding_interval_size": args.q_interval, "kv_padding_interval_size": args.kv_interval}
+    caches = tempfile.TemporaryDirectory()  # the cold call compiles everything (set before the device's first use)
+    os.environ["HF_TPU_CACHE_DIR"] = os.path.join(caches.name, "xla")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches.name, "torch")
     model, _ = tiny_llama()
     model.eval()
     inputs = prompts(args.requests, model.config.vocab_size)
