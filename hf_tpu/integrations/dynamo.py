@@ -263,16 +263,15 @@ def _saving_wrapped_functions_and_dim_markings(original: Callable) -> Callable:
                 return _wrapped, (obj.__module__, obj.__qualname__, depth)
         reduced = original(self, obj)
         if isinstance(reduced, tuple) and getattr(obj, "_has_dynamo_dim_marking", False):
-            markings = {name: getattr(obj, name) for name in _DIM_MARKINGS if hasattr(obj, name)}
+            # what torch._dynamo.mark_static / mark_dynamic / mark_unbacked set on the tensor: its attributes named
+            # _dynamo_* and the _has_dynamo_dim_marking flag
+            markings = {name: value for name, value in vars(obj).items() if name.startswith(_MARKING_PREFIXES)}
             return _marked, (reduced[0], reduced[1], markings)
         return reduced
     return reducer_override
 
 
-_DIM_MARKINGS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
-                 "_dynamo_strict_unbacked_indices", "_dynamo_static_indices", "_dynamo_shape_ids",
-                 "_dynamo_unbacked_bounds")
-"""What ``torch._dynamo.mark_static`` / ``mark_dynamic`` / ``mark_unbacked`` set on a tensor, and its guards check."""
+_MARKING_PREFIXES = ("_dynamo_", "_has_dynamo_")
 
 
 def _marked(rebuild: Callable, args: tuple, markings: dict[str, Any]) -> Any:
@@ -280,7 +279,6 @@ def _marked(rebuild: Callable, args: tuple, markings: dict[str, Any]) -> Any:
     tensor = rebuild(*args)
     for name, value in markings.items():
         setattr(tensor, name, value)
-    tensor._has_dynamo_dim_marking = True
     return tensor
 
 
