@@ -150,6 +150,87 @@ def test_a_function_patched_before_a_process_compiles_is_traced_again_and_the_sa
     assert run("plain") == ([3.0, 3.0], 0, 1)  # the first compile is still in the package
 
 
+_GLOBAL_DICT = """
+CHOICES = {"one": 1, "two": 2, "three": 3}
+
+
+def pick(x):
+    return x * CHOICES["three"]
+"""
+
+_GUARD_ERRORS = r"""
+import logging
+guard_errors = []
+logging.getLogger("torch").addHandler(logging.Handler(logging.ERROR))
+logging.getLogger("torch").handlers[-1].emit = lambda record: guard_errors.append(record.getMessage())
+"""
+
+_GLOBAL_DICT_CHILD = _GUARD_ERRORS + r"""
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+sys.path.insert(0, sys.argv[1])
+import helpers
+if sys.argv[2] == "unbuildable":  # the saved guard on CHOICES fails as one on a global that changed shape can
+    from torch._dynamo.guards import GuardBuilder
+    build_constant_guard, failed = GuardBuilder.CONSTANT_MATCH, []
+    def failing_for_choices(self, guard):  # the loaded guard; the guard of the trace that follows is built
+        if "CHOICES" in guard.name and not failed:
+            failed.append(guard.name)
+            raise IndexError("list index out of range")
+        return build_constant_guard(self, guard)
+    GuardBuilder.CONSTANT_MATCH = failing_for_choices
+x = torch.ones(2).to("tpu")  # the device used before torch.compile: its package is kept
+value = torch.compile(helpers.pick)(x).cpu().tolist()
+assert not guard_errors, guard_errors
+print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
+                  "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def test_a_saved_guard_that_cannot_be_built_in_a_process_is_a_quiet_cache_miss(tmp_path: pathlib.Path) -> None:
+    """torch logged an error with its traceback (a guard on transformers' registry of the outputs each model class
+    can record, saved by a process that had made more models) before the install failed."""
+    (tmp_path / "helpers.py").write_text(_GLOBAL_DICT)
+    run = functools.partial(_value_traced_loaded, _GLOBAL_DICT_CHILD, tmp_path)
+
+    assert run("plain") == ([3.0, 3.0], 1, 0)
+    assert run("unbuildable") == ([3.0, 3.0], 1, 1)  # the package is loaded, cannot be installed: traced
+
+
+_OTHER_MODELS_CHILD = _GUARD_ERRORS + r"""
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+from transformers import BertConfig, BertModel, GPT2Config, GPT2Model, LlamaConfig, LlamaForCausalLM
+if sys.argv[1] == "another model first":
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37))
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval().to("tpu")
+compiled = torch.compile(model, backend="tpu")
+ids = torch.arange(8).view(1, 8).to("tpu")
+with torch.no_grad():
+    logits = compiled(ids).logits.cpu()
+    GPT2Model(GPT2Config(n_embd=32, n_layer=1, n_head=2))  # a model of a class the process had not made
+    again = compiled(ids).logits.cpu()
+assert torch.equal(logits, again) and not guard_errors, guard_errors
+print(json.dumps({"logits": logits.tolist(), "traced": counters["stats"]["unique_graphs"],
+                  "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def test_a_compiled_forward_does_not_depend_on_the_other_models_a_process_made(tmp_path: pathlib.Path) -> None:
+    """transformers' registry of the outputs each model class can record, read in every forward, was guarded by
+    Dynamo as a dict (its length, its keys by position): a model of a new class made after the compile traced
+    the forward again, and a process that made other models first, or none, refused the saved compile."""
+    first = _process(_OTHER_MODELS_CHILD, str(tmp_path), "another model first")
+    assert first["traced"] == 1 and first["loaded"] == 0
+    second = _process(_OTHER_MODELS_CHILD, str(tmp_path), "this model only")
+    assert second["traced"] == 0 and second["loaded"] == 1
+    assert second["logits"] == first["logits"]
+
+
 def _doubled(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 

@@ -34,9 +34,10 @@ the package).
   compiles has another fingerprint: that entry never runs, and Dynamo traces. A compile with any other guard
   torch cannot save (on an arbitrary object's identity, a dict's version) is left out of the package (``_NOT_SAVED``;
   ``CompilePackage.add_guarded_code``): torch's own bypass asserts in 2.13 and would drop the function's other
-  entries, in later processes too. A package that cannot be installed (a saved value missing, say) is undone
-  and fails as torch's recovery expects (``CompilePackage.install``: a ``RuntimeError``, after which torch
-  starts the package again, empty), so the function is traced.
+  entries, in later processes too. A package that cannot be installed (a saved value missing, or a guard that
+  cannot be built in this process, say) is undone and fails as torch's recovery expects
+  (``CompilePackage.install``: a ``RuntimeError``, after which torch starts the package again, empty), so the
+  function is traced; a cache miss, logged at info (torch logged the guard as an error, with its traceback).
 - **Functions a package cannot name** (``CompilePackage._add_user_function``): a frame Dynamo compiles on its own
   (after a graph break) whose function torch cannot find by name, a property's getter such as transformers'
   ``loss_function``, failed the compile (``PackageError``). It is compiled and left out of the package, which
@@ -115,6 +116,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import types
 import warnings
 from typing import Any, Callable
@@ -535,8 +537,24 @@ def _is_the_same_object(fingerprint: tuple, builder: Any, guard: Any) -> None:
                                                         guard.user_stack)
 
 
+class _NotFromThisThread(logging.Filter):
+    """Drops the records the thread that made it logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
 def _undone_when_it_fails(original: Callable) -> Callable:
     def install(self: Any, backends: dict) -> None:
+        # a saved guard that cannot be built here (a global list shorter in this process, say) is logged by torch
+        # as an error with its traceback before the install fails: here it is the cache miss logged below
+        guard_errors = logging.getLogger("torch._guards")
+        quiet = _NotFromThisThread()
+        guard_errors.addFilter(quiet)
         try:
             original(self, backends)
         except Exception as error:  # a saved value missing here, say: Dynamo traces the function instead
@@ -548,6 +566,8 @@ def _undone_when_it_fails(original: Callable) -> Callable:
             self.initialize(self._innermost_fn, None, ignore_inlined_sources=False)
             _log.info("hf_tpu: a saved Dynamo package of %s cannot be installed in this process (%s: %s); "
                       "Dynamo traces it", getattr(self._innermost_fn, "__qualname__", "?"), type(error).__name__, error)
+        finally:
+            guard_errors.removeFilter(quiet)
     return install
 
 

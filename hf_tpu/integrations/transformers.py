@@ -28,6 +28,13 @@
 - Releases whose ``_can_use_grouped_mm`` has no tpu branch send compiled float32 experts to a Python loop
   of matmuls; tpu lowers ``aten::_grouped_mm`` for every dtype, eager and compiled, so it is always used
   (5.24 has the branch: nothing is patched there, and the patch elsewhere is traced by Dynamo).
+- A compiled forward reads which outputs its model can record from the model itself, not from
+  ``utils/output_capturing.py``'s registry of every model class the process has made: Dynamo guarded the
+  registry's length and its keys by position, so making a model of another class recompiled every compiled
+  forward (Dynamo traced it again), and a saved compile (torch's caching precompile, on where tpu is used) was
+  refused by a process that had made other models, or made them in another order. The value is the same (the
+  registry holds each class's ``_can_record_outputs``), on every device: Dynamo now sees the registry as an object
+  guarded by its type, where the original lookup would break the graph.
 """
 
 from __future__ import annotations
@@ -294,6 +301,30 @@ def _install_grouped_mm(moe: Any) -> None:
     moe._can_use_grouped_mm = can_use_grouped_mm
 
 
+def _install_output_capturing_lookup(output_capturing: Any) -> None:
+    registry_class = getattr(output_capturing, "_CanRecordRegistry", None)
+    if registry_class is None or getattr(registry_class.get, "__wrapped__", None) is not None:
+        return
+    original = registry_class.get
+
+    @traced_by_dynamo  # runs inside every compiled forward
+    @functools.wraps(original)
+    def get(self: Any, model: Any) -> dict:
+        if torch.compiler.is_compiling():
+            return getattr(model, "_can_record_outputs", None) or {}
+        return original(self, model)
+
+    registry_class.get = get
+    # Dynamo reads an instance of a dict subclass whose __new__ is dict's as a dict, guarding its length and key
+    # order wherever it is read (torch/_dynamo/variables/builder.py); with a __new__ of its own, the registry is
+    # an object to Dynamo, guarded by its type
+    registry_class.__new__ = staticmethod(_new_registry)
+
+
+def _new_registry(cls: type, *args: Any, **kwargs: Any) -> dict:
+    return dict.__new__(cls, *args, **kwargs)
+
+
 def _install_pipeline_device(pipelines_base: Any) -> None:
     pipeline_class = pipelines_base.Pipeline
     original = pipeline_class.__init__
@@ -406,3 +437,4 @@ def install(transformers: Any) -> None:
     when_imported("transformers.pipelines.base", _install_pipeline_device)
     when_imported("transformers.trainer", _install_trainer)
     when_imported("transformers.masking_utils", _install_mask_without_reads)
+    when_imported("transformers.utils.output_capturing", _install_output_capturing_lookup)
