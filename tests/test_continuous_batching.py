@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from torch._C._dynamo.eval_frame import _reset_precompile_entries
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
 from transformers.generation.continuous_batching.model_runner import ModelRunner
@@ -169,6 +172,34 @@ def test_sampled_continuous_batching_follows_the_seed():
         torch.manual_seed(1)
         runs.append(_generate_batch(model, prompts, do_sample=True, top_k=0, temperature=1.0))
     assert runs[0] == runs[1] and all(0 <= token < 128 for tokens in runs[0] for token in tokens)
+
+
+class _Cycle:
+    pass
+
+
+def test_generate_batch_on_tpu_collects_only_what_it_made(monkeypatch):
+    """Its manager's stop collects garbage; with the objects from before the call frozen, that walks what the call
+    made, and the garbage from before goes at the next collection after it."""
+    model = tiny_llama().eval()
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2]]
+    expected = _generate_batch(model, prompts)
+    frozen_at_stop = []
+    stop = ContinuousBatchingManager.stop
+
+    def recording_stop(self, *args, **kwargs):
+        frozen_at_stop.append(gc.get_freeze_count())
+        return stop(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "stop", recording_stop)
+    older = _Cycle()
+    older.itself = older
+    older_garbage = weakref.ref(older)
+    del older
+    assert _generate_batch(model.to("tpu"), prompts) == expected
+    assert frozen_at_stop and frozen_at_stop[-1] > 0 and gc.get_freeze_count() == 0
+    gc.collect()
+    assert older_garbage() is None
 
 
 def _paged_cache(tokens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
