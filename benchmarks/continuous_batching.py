@@ -2,12 +2,12 @@
 
 tiny_llama.py's model (hidden 256, 4 layers) generates ``--tokens`` tokens (greedy) for each of ``--requests``
 prompts of 4 to 64 tokens, through ``model.generate_batch`` with a persistent manager: a cold call (compiles and
-warms up) then a warm one, on CPU and on tpu; the cold call starts from empty caches (XLA's programs, and what
-Dynamo and AOTAutograd made of the steps; ``benchmarks/serving.py`` measures a server restarted on filled ones).
-The same prompts then go to one ``generate`` call on tpu with a static cache, left-padded to one batch. Prints
-tokens/s, the programs each tpu run compiled, whether the tpu tokens are the CPU's, the peak device memory of the
-static-cache and paged-cache runs, and the ratios
-(the issue's goals: tpu continuous batching at least CPU's tokens/s, and within 1.5x of batched static generate).
+warms up) then the best of three warm ones, on CPU and on tpu; the cold call starts from empty caches (XLA's
+programs, and what Dynamo and AOTAutograd made of the steps; ``benchmarks/serving.py`` measures a server restarted
+on filled ones). The same prompts then go to ``generate`` on tpu with a static cache, left-padded to one batch
+(the best of three warm calls). Prints tokens/s, the programs each tpu run compiled, whether the tpu tokens are
+the CPU's, the peak device memory of the static-cache and paged-cache runs, and the ratios (the issue's goals: tpu
+continuous batching at least CPU's tokens/s, and within 1.5x of batched static generate).
 """
 
 from __future__ import annotations
@@ -31,36 +31,48 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
     return [[draw.randrange(3, vocab) for _ in range(draw.randint(4, 64))] for _ in range(count)]
 
 
+WARM_CALLS = 3
+
+
 def continuous_batching(model: torch.nn.Module, inputs: list[list[int]], tokens: int, **intervals: int) -> dict:
-    """A cold and a warm ``generate_batch`` through one persistent manager: seconds, tokens and programs compiled.
-    ``intervals``: transformers' ``q_padding_interval_size`` / ``kv_padding_interval_size``, where set."""
+    """A cold ``generate_batch`` through a persistent manager, then the best of :data:`WARM_CALLS` warm ones:
+    seconds, tokens and programs compiled. ``intervals``: transformers' ``q_padding_interval_size`` /
+    ``kv_padding_interval_size``, where set."""
     generation = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, **intervals)
     runs = {}
-    for name in ("cold", "warm"):
+    for name in ("cold", *["warm"] * WARM_CALLS):
         compiled = torch.tpu.compile_stats()["compilations"]
         start = time.perf_counter()
         outputs = model.generate_batch(inputs=inputs, generation_config=generation, continuous_batching_config=config,
                                        persistent_manager=True)
         seconds = time.perf_counter() - start
         ordered = sorted(outputs.values(), key=lambda output: int(output.request_id.split("_")[-1]))
-        runs[name] = {"seconds": seconds, "tokens": [output.generated_tokens for output in ordered],
-                      "programs": torch.tpu.compile_stats()["compilations"] - compiled}
+        run = {"seconds": seconds, "tokens": [output.generated_tokens for output in ordered],
+               "programs": torch.tpu.compile_stats()["compilations"] - compiled}
+        if name not in runs or seconds < runs[name]["seconds"]:
+            runs[name] = run
+        elif run["tokens"] != runs[name]["tokens"]:
+            raise AssertionError("a warm call gave other tokens than the one before it")
     model.destroy_cached_continuous_batching_manager()
     return runs
 
 
 def static_generate(model: torch.nn.Module, inputs: list[list[int]], tokens: int) -> float:
-    """Seconds of a warm ``generate`` of every prompt in one left-padded batch with a static cache."""
+    """Seconds of a warm ``generate`` of every prompt in one left-padded batch with a static cache (the best of
+    :data:`WARM_CALLS`)."""
     longest = max(map(len, inputs))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in inputs], device="tpu")
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in inputs], device="tpu")
     settings = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
                     cache_implementation="static")
     model.generate(ids, attention_mask=mask, **settings)
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=mask, **settings).cpu()
-    return time.perf_counter() - start
+    seconds = []
+    for _ in range(WARM_CALLS):
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, **settings).cpu()
+        seconds.append(time.perf_counter() - start)
+    return min(seconds)
 
 
 def peak_bytes(run) -> int:
