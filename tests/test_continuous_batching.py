@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import math
+import threading
+import time
 import weakref
 
 import pytest
@@ -164,6 +166,29 @@ def test_a_batch_as_large_as_the_head_dimension_keeps_the_decode_step_dynamic(fr
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # the prefill step, the decode step
 
 
+def test_each_step_is_traced_once_with_the_models_floats_as_constants(fresh_dynamo, monkeypatch):
+    """Under ``dynamic=True`` Dynamo takes float attributes (norms' epsilons, attention scalings) as symbolic
+    inputs, then traces the step again to specialize those an operator needs as numbers; hf_tpu's steps take them
+    as constants, and each of the two steps is traced once."""
+    from torch._dynamo import convert_frame
+
+    model = tiny_llama().eval()
+    prompts = [[3 + i, 5, 7] for i in range(5)]
+    expected = _generate_batch(model, prompts)
+    model.to("tpu")
+    _reset_precompile_entries(ModelRunner._forward_process_and_sample.__code__)  # traced here, not loaded
+    traced = []
+    transform = convert_frame.transform_code_object
+
+    def counted_transform(code, *args, **kwargs):
+        traced.append(code.co_name)
+        return transform(code, *args, **kwargs)
+
+    monkeypatch.setattr(convert_frame, "transform_code_object", counted_transform)
+    assert _generate_batch(model, prompts) == expected
+    assert traced == ["_forward_process_and_sample"] * 2  # the prefill step, the decode step: no second attempt
+
+
 def test_sampled_continuous_batching_follows_the_seed():
     model = tiny_llama().eval().to("tpu")
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2]]
@@ -200,6 +225,36 @@ def test_generate_batch_on_tpu_collects_only_what_it_made(monkeypatch):
     assert frozen_at_stop and frozen_at_stop[-1] > 0 and gc.get_freeze_count() == 0
     gc.collect()
     assert older_garbage() is None
+
+
+class _WaitsOnlyToBeWoken(threading.Event):
+    """The loop's wake-up event, whose waits end only when it is set (not after transformers' 0.1 s timeout)."""
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return super().wait(timeout=60)
+
+
+def test_a_managers_stop_wakes_its_idle_loop(monkeypatch):
+    """With no request left, the loop waits on its event (0.1 s timeout); the stop sets it, on any device."""
+    start = ContinuousBatchingManager.start
+
+    def start_with_an_event_that_only_wakes(self):
+        self._wake_up_loop = _WaitsOnlyToBeWoken()
+        start(self)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "start", start_with_an_event_that_only_wakes)
+    model = tiny_llama().eval()
+    manager = model.init_continuous_batching(generation_config=GenerationConfig(
+        max_new_tokens=2, eos_token_id=-1, pad_token_id=0), continuous_batching_config=ContinuousBatchingConfig(
+        num_blocks=8, max_batch_tokens=64))
+    manager.start()
+    manager.add_request([5, 9, 3], request_id="only")
+    assert manager.get_result(request_id="only", timeout=60).is_finished()
+    while not getattr(manager._wake_up_loop, "waited", False):  # the loop is idle, waiting for requests
+        time.sleep(0.01)
+    manager.stop(block=True, timeout=10)
+    assert not manager.is_running()  # woken by the stop, not by a timeout
 
 
 def _paged_cache(tokens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,7 +18,11 @@ caching precompile keeps both in one package (:mod:`hf_tpu.integrations.dynamo`)
 loads what Dynamo and AOTAutograd made of the steps instead of tracing them again. transformers' warm-up, which runs a
 step at the largest sizes so that CUDA graphs are captured before any request, is skipped: on tpu it would compile a
 program of a batch that may never come, with an attention over the whole cache (tens of GiB for a cache sized from the
-memory), and each program compiles when a batch of its size first comes.
+memory), and each program compiles when a batch of its size first comes. With ``dynamic=True`` Dynamo would also
+take the model's float attributes (norms' epsilons, attention scalings) as symbolic inputs, then trace the step a
+second time to specialize the ones an operator needs as numbers: hf_tpu's steps take them as constants, as Dynamo
+does without ``dynamic=True`` (3.4 s of a 24 s cold call of ``benchmarks/continuous_batching.py`` was that second
+trace).
 
 **One program per step.** transformers keeps ``PagedAttentionCache.update`` out of compiled graphs
 (``torch.compiler.disable``: Inductor does not handle the cache tensor's views), which splits a step at every
@@ -65,12 +69,18 @@ before it frozen (:func:`hf_tpu.compile.frozen_heap.kept_to_new_objects`), so it
 made (the manager and its cache included, when the call made them), and garbage from before waits for the next
 full collection.
 
+**A manager's stop wakes its loop.** With no request left, transformers' generation loop waits on an event with a
+0.1 s timeout (``_generation_loop_body``), and ``stop`` requests the stop without setting that event, so every
+``generate_batch`` (on any device) waited up to 0.1 s for its loop to notice; ``join`` now sets the event first. This
+applies to managers of every device: it changes no result, only when the loop sees the stop.
+
 Patches ``PagedAttentionCache.__init__`` and the ``get_device_and_memory_breakdown`` it calls
 (``transformers/generation/continuous_batching/cache.py``), ``resolve_continuous_batching_config``,
 ``ensure_decode_fast_path_is_available`` and ``resolve_max_memory_percent`` (``.../initialization.py``), the
 ``"sdpa"`` entry of ``AttentionInterface`` (``transformers/modeling_utils.py``), ``ModelRunner.__init__``,
 ``maybe_pad_inputs`` and ``warmup`` (``.../model_runner.py``), ``ContinuousBatchingIOs``
-(``.../input_outputs.py``) and ``ContinuousMixin.generate_batch`` (``.../continuous_api.py``), transformers 5.2x.
+(``.../input_outputs.py``) and ``ContinuousMixin.generate_batch`` and
+``ContinuousBatchingManager.join`` (``.../continuous_api.py``), transformers 5.2x.
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -325,6 +335,17 @@ def padded_sizes(num_q_tokens: int, max_kv_read: int, max_batch_tokens: int, max
             padded(max_kv_read, kv_interval, page_size, max_tokens_read))
 
 
+def _with_floats_specialized(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, a step compiled with ``dynamic=True``, traced with the model's Python floats as constants (see
+    the module docstring)."""
+    @functools.wraps(compiled)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return step
+
+
 def _install_compiled_tpu_steps(model_runner: Any) -> None:
     """A tpu model's batches are compiled by default and padded by :func:`padded_sizes` (``ModelRunner``)."""
     runner = model_runner.ModelRunner
@@ -344,9 +365,13 @@ def _install_compiled_tpu_steps(model_runner: Any) -> None:
         elif decode:
             cb_config.decode_compile_config = CompileConfig(fullgraph=False, dynamic=True)
         init(self, logit_processor, cb_config, inputs_and_outputs, cache, *args, **kwargs)
+        if varlen:
+            self._compiled_varlen = _with_floats_specialized(self._compiled_varlen)
         if varlen and decode:  # one compiled function for both steps: one package of Dynamo's caching precompile
             cb_config.decode_compile_config = cb_config.varlen_compile_config
             self._compiled_decode = self._compiled_varlen
+        elif decode:
+            self._compiled_decode = _with_floats_specialized(self._compiled_decode)
 
     @functools.wraps(maybe_pad_inputs)
     def pad_inputs(self: Any, num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:
@@ -440,6 +465,24 @@ def _install_collections_of_new_objects(continuous_api: Any) -> None:
     mixin.generate_batch = generate_batch_collecting_what_it_makes
 
 
+def _install_stop_that_wakes_the_loop(continuous_api: Any) -> None:
+    """A manager's ``stop`` wakes its generation loop (on every device; see the module docstring)."""
+    manager = continuous_api.ContinuousBatchingManager
+    join = manager.join
+    if getattr(join, "_hf_tpu", False):
+        return
+
+    @functools.wraps(join)
+    def join_after_waking_the_loop(self: Any, *args: Any, **kwargs: Any) -> None:
+        wake_up = getattr(self, "_wake_up_loop", None)
+        if wake_up is not None:
+            wake_up.set()
+        join(self, *args, **kwargs)
+
+    join_after_waking_the_loop._hf_tpu = True
+    manager.join = join_after_waking_the_loop
+
+
 def install(cache: Any) -> None:
     """Patches ``transformers.generation.continuous_batching.cache`` and its ``initialization``, ``model_runner``,
     ``input_outputs`` and ``continuous_api`` siblings."""
@@ -452,3 +495,4 @@ def install(cache: Any) -> None:
     when_imported("transformers.generation.continuous_batching.model_runner", _install_compiled_tpu_steps)
     when_imported("transformers.generation.continuous_batching.input_outputs", _install_host_staged_inputs)
     when_imported("transformers.generation.continuous_batching.continuous_api", _install_collections_of_new_objects)
+    when_imported("transformers.generation.continuous_batching.continuous_api", _install_stop_that_wakes_the_loop)
