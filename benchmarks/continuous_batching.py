@@ -1,7 +1,8 @@
 """transformers' continuous batching on tpu against on CPU, and against one batched static-cache ``generate``.
 
 tiny_llama.py's model (hidden 256, 4 layers) generates ``--tokens`` tokens (greedy) for each of ``--requests``
-prompts of 4 to 64 tokens, through ``model.generate_batch`` with a persistent manager: a cold call (compiles and
+prompts of 4 to 64 tokens, through ``model.generate_batch`` with a persistent manager (a paged cache of
+:data:`PAGES` pages of :data:`PAGE_SIZE` tokens): a cold call (compiles and
 warms up) then the best of three warm ones, on CPU and on tpu; the cold call starts from empty caches (XLA's
 programs, and what Dynamo and AOTAutograd made of the steps; ``benchmarks/serving.py`` measures a server restarted
 on filled ones). The same prompts then go to ``generate`` on tpu with a static cache, left-padded to one batch
@@ -32,6 +33,11 @@ def prompts(count: int, vocab: int) -> list[list[int]]:
 
 
 WARM_CALLS = 3
+PAGES, PAGE_SIZE = 128, 64
+"""The paged cache: as many tokens as the static cache of :func:`static_generate` (64 prompts x 128, the bucket of
+the longest prompt and its new tokens). transformers' default page of 256 tokens, sized for flash-attn's paged
+kernel on GPUs, would give each of these requests (at most 95 tokens) a page mostly empty, and the cache would hold
+half as many requests at once."""
 
 
 def continuous_batching(model: torch.nn.Module, inputs: list[list[int]], tokens: int, **intervals: int) -> dict:
@@ -39,7 +45,7 @@ def continuous_batching(model: torch.nn.Module, inputs: list[list[int]], tokens:
     seconds, tokens and programs compiled. ``intervals``: transformers' ``q_padding_interval_size`` /
     ``kv_padding_interval_size``, where set."""
     generation = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, **intervals)
+    config = ContinuousBatchingConfig(num_blocks=PAGES, page_size=PAGE_SIZE, max_batch_tokens=256, **intervals)
     runs = {}
     for name in ("cold", *["warm"] * WARM_CALLS):
         compiled = torch.tpu.compile_stats()["compilations"]
