@@ -10,11 +10,12 @@ import weakref
 
 import pytest
 import torch
-from torch._C._dynamo.eval_frame import _reset_precompile_entries
+from torch._C._dynamo.eval_frame import _reset_precompile_entries, reset_code
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.generation.continuous_batching.initialization import resolve_continuous_batching_config
 from transformers.generation.continuous_batching.model_runner import ModelRunner
@@ -152,14 +153,22 @@ def test_a_tpu_caches_tensors_are_static_inputs_of_the_steps():
     assert views and all(getattr(view, "_dynamo_static_indices", set()) == set(range(view.dim())) for view in views)
 
 
+def _steps_traced_afresh() -> None:
+    """The steps' code forgets what an earlier test left on it through ``torch._dynamo.reset()``, which resets only
+    the code Dynamo traced in this process: the entries loaded from a saved package, and the code's state once a
+    package an earlier process saved (with other entries) was loaded for it (the step then ran without Dynamo)."""
+    code = ModelRunner._forward_process_and_sample.__code__
+    _reset_precompile_entries(code)
+    reset_code(code)
+
+
 def test_a_batch_as_large_as_the_head_dimension_keeps_the_decode_step_dynamic(fresh_dynamo):
     model = tiny_llama().eval()
     head_dim = model.config.hidden_size // model.config.num_attention_heads  # 16: the first decode batch's size
     prompts = [[3 + i, 5, 7] for i in range(head_dim)]  # one prefill batch, then decode steps of them all
     expected = _generate_batch(model, prompts)
     model.to("tpu")  # no step graphs of earlier tests or processes (fresh_dynamo): these runs trace their own
-    # entries an earlier test loaded from a saved package stay on the step's code through torch._dynamo.reset()
-    _reset_precompile_entries(ModelRunner._forward_process_and_sample.__code__)
+    _steps_traced_afresh()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert _generate_batch(model, prompts) == expected
     assert _generate_batch(model, prompts[:head_dim // 2]) == expected[:head_dim // 2]  # decode steps of 8
@@ -176,7 +185,7 @@ def test_each_step_is_traced_once_with_the_models_floats_as_constants(fresh_dyna
     prompts = [[3 + i, 5, 7] for i in range(5)]
     expected = _generate_batch(model, prompts)
     model.to("tpu")
-    _reset_precompile_entries(ModelRunner._forward_process_and_sample.__code__)  # traced here, not loaded
+    _steps_traced_afresh()
     traced = []
     transform = convert_frame.transform_code_object
 
@@ -187,6 +196,45 @@ def test_each_step_is_traced_once_with_the_models_floats_as_constants(fresh_dyna
     monkeypatch.setattr(convert_frame, "transform_code_object", counted_transform)
     assert _generate_batch(model, prompts) == expected
     assert traced == ["_forward_process_and_sample"] * 2  # the prefill step, the decode step: no second attempt
+
+
+def test_asynchronous_batching_on_tpu_gives_cpus_tokens():
+    """Batch N+1 is prepared and started before batch N's tokens are read: its program takes them from N's
+    outputs on the device (transformers' carry-over), over requests of mixed lengths that join and leave."""
+    torch.manual_seed(0)
+    model = tiny_llama(max_position_embeddings=256).eval()
+    lengths = (5, 37, 3, 60, 12, 9, 41, 2, 18, 30, 7, 25)
+    prompts = [torch.randint(3, 120, (length,)).tolist() for length in lengths]
+    expected = _generate_batch(model, prompts)
+    made = []
+    new = ContinuousBatchingAsyncIOs.__new__
+
+    def recording_new(cls, *args, **kwargs):
+        made.append(new(cls, *args, **kwargs))
+        return made[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ContinuousBatchingAsyncIOs, "__new__", recording_new)
+        tokens = _generate_batch(model.to("tpu"), prompts, ContinuousBatchingConfig(
+            num_blocks=8, max_batch_tokens=64, use_async_batching=True))
+    assert tokens == expected
+    assert len(made) == 1 and type(made[0]) is not ContinuousBatchingAsyncIOs  # the tpu's: no streams, no events
+    assert made[0].compute_stream is None
+
+
+@pytest.mark.parametrize("on_chips", [False, True])
+def test_asynchronous_batching_is_on_by_default_on_chips(monkeypatch, on_chips):
+    monkeypatch.setattr(continuous_batching, "_on_chips", lambda: on_chips)
+    config = tiny_llama().config
+
+    def resolved(device, **settings):
+        return resolve_continuous_batching_config(
+            config=config, cb_config=ContinuousBatchingConfig(num_blocks=4, **settings), workload_hints=None,
+            has_logit_processors=False, device=torch.device(device)).use_async_batching
+
+    assert resolved("tpu") is on_chips
+    assert resolved("tpu", use_async_batching=not on_chips) is (not on_chips)  # the user's choice stands
+    assert resolved("cpu") is False  # transformers' default: with CUDA graphs only
 
 
 def test_sampled_continuous_batching_follows_the_seed():

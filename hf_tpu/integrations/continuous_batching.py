@@ -49,6 +49,16 @@ MIN_DECODE_REQUESTS) + 1) * (log2(max_blocks_per_request * page_size / MIN_DECOD
 step's attention reads requests x their keys, not query tokens x every cached token of the batch.
 ``max_blocks_per_request=0`` turns the path off, as elsewhere.
 
+**Asynchronous batching.** transformers can prepare batch N+1 on the host while the device runs batch N
+(``use_async_batching``: two sets of inputs used in turn, the tokens of batch N carried into N+1's program on the
+device, N's outputs read after N+1 has started), with CUDA streams and events. On tpu the same runs without them: a
+device runs its programs in the order they are started, and each set of inputs is host-staged as above (a
+``ContinuousBatchingAsyncIOs`` made for a tpu device is the subclass :func:`_install_tpu_async_batching` defines).
+It is on by default where chips back the device, whose programs run while the host prepares the next batch; on
+JAX's CPU platform, where the "device" computes on the host's own cores, the host's work slows the program it
+overlaps (the same 0.92-0.94 s warm call either way in ``benchmarks/continuous_batching.py``'s workload), so it
+stays off there unless asked for.
+
 ``PagedAttentionCache`` sizes its cache from ``get_device_and_memory_breakdown()``, which knows cuda, xpu and mps
 and, for any other device, reports the host's RAM: for a tpu model it asked for 90% of the host (the process was
 killed while the cache's zeros were written on JAX's CPU platform; a TPU VM's hundreds of GB of RAM would be asked
@@ -76,10 +86,11 @@ applies to managers of every device: it changes no result, only when the loop se
 
 Patches ``PagedAttentionCache.__init__`` and the ``get_device_and_memory_breakdown`` it calls
 (``transformers/generation/continuous_batching/cache.py``), ``resolve_continuous_batching_config``,
-``ensure_decode_fast_path_is_available`` and ``resolve_max_memory_percent`` (``.../initialization.py``), the
+``ensure_decode_fast_path_is_available``, ``decide_use_async_batching`` and ``resolve_max_memory_percent``
+(``.../initialization.py``), the
 ``"sdpa"`` entry of ``AttentionInterface`` (``transformers/modeling_utils.py``), ``ModelRunner.__init__``,
-``maybe_pad_inputs`` and ``warmup`` (``.../model_runner.py``), ``ContinuousBatchingIOs``
-(``.../input_outputs.py``) and ``ContinuousMixin.generate_batch`` and
+``maybe_pad_inputs`` and ``warmup`` (``.../model_runner.py``), ``ContinuousBatchingIOs`` and the making of
+``ContinuousBatchingAsyncIOs`` (``.../input_outputs.py``) and ``ContinuousMixin.generate_batch`` and
 ``ContinuousBatchingManager.join`` (``.../continuous_api.py``), transformers 5.2x.
 """
 
@@ -88,6 +99,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+import types
 from typing import Any, Callable
 
 import torch
@@ -445,6 +457,80 @@ def _install_host_staged_inputs(input_outputs: Any) -> None:
     ios.retrieve_device_outputs = retrieve_staged_outputs
 
 
+def _install_async_batching_default(initialization: Any) -> None:
+    """A tpu model batches asynchronously by default on chips (see the module docstring)."""
+    decide = initialization.decide_use_async_batching
+    if getattr(decide, "_hf_tpu", False):
+        return
+
+    @functools.wraps(decide)
+    def decide_use_async_batching(cb_config: Any, *args: Any, **kwargs: Any) -> None:
+        device = _RESOLVING_FOR.get()
+        if device is not None and device.type == "tpu" and cb_config.use_async_batching is None:
+            cb_config.use_async_batching = _on_chips()
+        return decide(cb_config, *args, **kwargs)
+
+    decide_use_async_batching._hf_tpu = True
+    initialization.decide_use_async_batching = decide_use_async_batching
+
+
+def _install_tpu_async_batching(input_outputs: Any) -> None:
+    """transformers' asynchronous batching for a tpu model (``ContinuousBatchingAsyncIOs``; see the module
+    docstring)."""
+    base = input_outputs.ContinuousBatchingAsyncIOs
+    if getattr(base, "_hf_tpu", False):
+        return
+
+    class TpuAsyncIOs(base):
+        """Two sets of host-staged inputs, as :func:`_install_host_staged_inputs` makes them, used in turn: batch N+1
+        is prepared on the host and started while the chip runs batch N, whose new tokens batch N+1's program takes
+        from N's outputs on the chip (transformers' carry-over) and the host reads after starting N+1. A chip runs
+        the programs of a device in the order they are started, so no streams or events order them."""
+
+        compute_stream = None
+
+        def __init__(self, cache: Any, config: Any, continuous_batching_config: Any, device: Any, model_dtype: Any,
+                     logit_processor: Any) -> None:
+            self.device = torch.device(device)
+            self.current_pair = 0
+            self.max_batch_tokens = cache.max_batch_tokens
+            self.io_pairs = []
+            for _ in range(2):
+                staged = input_outputs.ContinuousBatchingIOs(
+                    cache=cache, config=config, continuous_batching_config=continuous_batching_config,
+                    device=self.device, model_dtype=model_dtype, logit_processor=logit_processor)
+                self.io_pairs.append(types.SimpleNamespace(host_io=staged, device_io=staged))
+
+        def get_model_kwargs(self, use_padding: bool = False) -> Any:
+            return self.io_pairs[self.current_pair].host_io.get_model_kwargs(use_padding=use_padding)
+
+        def get_cb_kwargs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            current, previous = self.io_pairs[self.current_pair].host_io, self.io_pairs[1 - self.current_pair].host_io
+            return current.carry_over_ids.to(self.device), previous.device_output_ids, current.device_output_ids
+
+        def retrieve_device_outputs(self) -> None:
+            self.swap_io_pairs()
+
+        def prepare_batch_update(self) -> Any:
+            staged = self.io_pairs[self.current_pair].host_io
+            staged.retrieve_device_outputs()
+            return staged.prepare_batch_update()
+
+        def reset(self) -> None:
+            self.current_pair = 0
+            for pair in self.io_pairs:
+                pair.host_io.reset()
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device", args[3] if len(args) > 3 else None)
+        if cls is base and device is not None and torch.device(device).type == "tpu":
+            cls = TpuAsyncIOs
+        return object.__new__(cls)
+
+    base.__new__ = __new__
+    base._hf_tpu = True
+
+
 def _install_collections_of_new_objects(continuous_api: Any) -> None:
     """A tpu model's ``generate_batch`` collects only what it made (see the module docstring)."""
     mixin = continuous_api.ContinuousMixin
@@ -492,7 +578,9 @@ def install(cache: Any) -> None:
     when_imported("transformers.modeling_utils", _install_block_table_sdpa)
     when_imported("transformers.generation.continuous_batching.initialization", _install_default_share)
     when_imported("transformers.generation.continuous_batching.initialization", _install_tpu_decode_fast_path)
+    when_imported("transformers.generation.continuous_batching.initialization", _install_async_batching_default)
     when_imported("transformers.generation.continuous_batching.model_runner", _install_compiled_tpu_steps)
     when_imported("transformers.generation.continuous_batching.input_outputs", _install_host_staged_inputs)
+    when_imported("transformers.generation.continuous_batching.input_outputs", _install_tpu_async_batching)
     when_imported("transformers.generation.continuous_batching.continuous_api", _install_collections_of_new_objects)
     when_imported("transformers.generation.continuous_batching.continuous_api", _install_stop_that_wakes_the_loop)
