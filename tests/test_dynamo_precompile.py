@@ -198,6 +198,44 @@ def test_a_saved_guard_that_cannot_be_built_in_a_process_is_a_quiet_cache_miss(t
     assert run("unbuildable") == ([3.0, 3.0], 1, 1)  # the package is loaded, cannot be installed: traced
 
 
+_INLINED_HELPER = """
+def factor():
+    return {factor}
+
+
+def scaled(x):
+    return x * factor()
+"""
+
+_SOURCE_CHANGE_CHILD = r"""
+import json, logging, sys
+import torch
+from torch._dynamo.utils import counters
+warnings = []
+for name in ("torch", "torch._dynamo"):  # torch._dynamo's records stop at its own handler
+    logging.getLogger(name).addHandler(logging.Handler(logging.WARNING))
+    logging.getLogger(name).handlers[-1].emit = lambda record: warnings.append(record.getMessage())
+sys.path.insert(0, sys.argv[1])
+import inlined
+x = torch.ones(2).to("tpu")
+value = torch.compile(inlined.scaled)(x).cpu().tolist()
+assert not warnings, warnings
+print(json.dumps({"value": value, "traced": counters["stats"]["unique_graphs"],
+                  "loaded": counters["dynamo_cache"]["dynamo_cache_hit"]}))
+"""
+
+
+def test_a_package_saved_from_other_sources_is_a_quiet_cache_miss(tmp_path: pathlib.Path) -> None:
+    """torch logged a warning with its traceback ("Failed to load entry from dynamo cache": "Source code changes
+    detected") where a function the saved compile inlined has changed since, as after an upgrade of the library
+    that holds it."""
+    run = functools.partial(_value_traced_loaded, _SOURCE_CHANGE_CHILD, tmp_path)
+    (tmp_path / "inlined.py").write_text(_INLINED_HELPER.format(factor="3.0"))
+    assert run("") == ([3.0, 3.0], 1, 0)
+    (tmp_path / "inlined.py").write_text(_INLINED_HELPER.format(factor="2.0"))
+    assert run("") == ([2.0, 2.0], 1, 1)  # the package is loaded, its sources are not these: traced
+
+
 _OTHER_MODELS_CHILD = _GUARD_ERRORS + r"""
 import json, sys
 import torch

@@ -17,9 +17,11 @@ the package).
 - **Dynamo's profile kept with it** (``torch/_dynamo/pgo.py``, ``get_cache_key``): torch keeps which inputs changed
   between calls only under a job id; hf_tpu names one (``hf_tpu``) when the user has not, so that a process that
   installs a package also knows which int inputs were dynamic (see :func:`_on_in_processes_using_tpu`).
-- **A package whose sources cannot be checked** (``CompilePackage.initialize``): a module a saved source check
-  names that this process lacks (kernels' generated ones) raised ``ModuleNotFoundError`` from ``torch.compile``;
-  it fails as torch's recovery expects (``RuntimeError``), and the function is traced.
+- **A package made from other sources** (``CompilePackage.initialize``): a function the saved compile inlined
+  that has changed since (an upgrade of the library that holds it), another torch, or a module a saved source
+  check names that this process lacks (kernels' generated ones): torch logged a warning with its traceback ("Failed
+  to load entry from dynamo cache"), or raised ``ModuleNotFoundError`` from ``torch.compile``. It is a cache
+  miss, logged at info: the package starts empty, as torch's recovery makes it, and the function is traced.
 - **Every guard kept** (``torch/_dynamo/guards.py``, ``CheckFunctionManager.__init__``): torch drops the guards
   it cannot save while precompile is on (identity guards: on globals, closures, classes, modules), in the
   compiling process too, so a function patched after the first call was not traced again. Here the compiling
@@ -139,7 +141,7 @@ def install(dynamo: types.ModuleType) -> None:
     _patch(package.CompilePackage, "update_device_type", _from_the_first_tensor)
     _patch(guards.CheckFunctionManager, "__init__", _keeping_every_guard)
     _patch(package.CompilePackage, "install", _undone_when_it_fails)
-    _patch(package.CompilePackage, "initialize", _failing_as_torch_recovers)
+    _patch(package.CompilePackage, "initialize", _empty_when_it_fails)
     _patch(package.CompilePackage, "add_guarded_code", _leaving_out_unsaved_compiles)
     _patch(guards.CheckFunctionManager, "serialize_guards", _saving_identity_guards_by_fingerprint)
     _patch(package.CompilePackage, "_add_user_function", _leaving_out_functions_it_cannot_name)
@@ -550,6 +552,8 @@ class _NotFromThisThread(logging.Filter):
 
 def _undone_when_it_fails(original: Callable) -> Callable:
     def install(self: Any, backends: dict) -> None:
+        if self.__dict__.pop("_hf_tpu_nothing_to_install", False):
+            return
         # a saved guard that cannot be built here (a global list shorter in this process, say) is logged by torch
         # as an error with its traceback before the install fails: here it is the cache miss logged below
         guard_errors = logging.getLogger("torch._guards")
@@ -571,17 +575,17 @@ def _undone_when_it_fails(original: Callable) -> Callable:
     return install
 
 
-def _failing_as_torch_recovers(original: Callable) -> Callable:
+def _empty_when_it_fails(original: Callable) -> Callable:
     def initialize(self: Any, fn: Any, dynamo: Any = None, *args: Any, **kwargs: Any) -> None:
+        if dynamo is None:
+            return original(self, fn, dynamo, *args, **kwargs)
         try:
             original(self, fn, dynamo, *args, **kwargs)
-        except RuntimeError:
-            raise
-        except Exception as error:  # a module a saved source check names is gone (kernels' generated ones)
-            if dynamo is None:
-                raise
-            raise RuntimeError(f"hf_tpu: a saved Dynamo package cannot be used in this process "
-                               f"({type(error).__name__}: {error})") from error
+        except Exception as error:  # changed sources, another torch, a module gone (kernels' generated ones)
+            _log.info("hf_tpu: a saved Dynamo package of %s was made from other sources than this process has "
+                      "(%s: %s); Dynamo traces it", getattr(fn, "__qualname__", "?"), type(error).__name__, error)
+            original(self, fn, None, *args, **kwargs)  # torch's own recovery, after a warning with a traceback
+            self._hf_tpu_nothing_to_install = True  # as after torch's recovery, which installs nothing
     return initialize
 
 
