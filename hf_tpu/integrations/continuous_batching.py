@@ -287,12 +287,15 @@ def paged_decode_attention(query: torch.Tensor, key_pages: torch.Tensor, value_p
     the longest request's length, at most its block table's pages) and masks those past its length. Returns
     ``[1, R, Hq, D]``, the layout transformers' attention functions return. A padding request attends to the
     first key of page 0."""
-    requests, page_size = block_table.shape[0], key_pages.shape[1]
+    page_size = key_pages.shape[1]
     position = torch.arange(keys_read, device=block_table.device)
     pages = block_table.index_select(1, position // page_size).clamp(min=0)  # past a request's pages: masked
-    tokens = (pages * page_size + position % page_size).reshape(-1)
-    keys, values = (cache.view(-1, *cache.shape[2:]).index_select(0, tokens).view(requests, keys_read, *cache.shape[2:])
-                    .transpose(1, 2).to(query.dtype) for cache in (key_pages, value_pages))
+    tokens = pages * page_size + position % page_size
+    heads = torch.arange(key_pages.shape[2], device=block_table.device)
+    # gathered by token and head: [R, Hkv, keys, D], the layout attention reads (a gather by token, then a
+    # transpose, ran 4 layers' attention in 4.4-5.4 ms against 3.5-4.1 here, 64 requests x 128 keys)
+    keys, values = (cache.view(-1, *cache.shape[2:])[tokens[:, None, :], heads[:, None]].to(query.dtype)
+                    for cache in (key_pages, value_pages))
     mask = position < _decode_lengths(block_table, cu_seq_lens_k).clamp(min=1).unsqueeze(1)
     out = torch.nn.functional.scaled_dot_product_attention(
         query[0].transpose(0, 1).unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=scale,
