@@ -509,7 +509,8 @@ def _install_tpu_async_batching(input_outputs: Any) -> None:
 
         def get_cb_kwargs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             current, previous = self.io_pairs[self.current_pair].host_io, self.io_pairs[1 - self.current_pair].host_io
-            return current.carry_over_ids.to(self.device), previous.device_output_ids, current.device_output_ids
+            carry_over_ids = current.carry_over_ids[:current.num_q_tokens]  # the batch's tokens, not max_batch_tokens
+            return carry_over_ids.to(self.device), previous.device_output_ids, current.device_output_ids
 
         def retrieve_device_outputs(self) -> None:
             self.swap_io_pairs()
