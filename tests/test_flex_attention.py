@@ -5,6 +5,8 @@ compiled, forward and backward, as a dense attention with the same score modific
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -90,3 +92,107 @@ def test_transformers_flex_attention_on_tpu_gives_cpus_logits():
         expected = reference(tokens).logits
         torch.testing.assert_close(cpu_model(tokens).logits, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(tpu_model(tokens.to("tpu")).logits.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+SPLASH_LENGTH = 300  # three documents of 100 tokens; not a whole number of the kernel's 128-blocks
+DOCUMENTS = torch.arange(SPLASH_LENGTH) // 100
+
+
+def _causal_documents(b, h, q_index, kv_index, documents):
+    return (q_index >= kv_index) & (documents[q_index] == documents[kv_index])
+
+
+def _causal_per_example_and_head(b, h, q_index, kv_index):
+    """Reads the example and the head; query 0 of example 0, head 0 attends no key."""
+    return (q_index >= kv_index) & ((kv_index + h + b) % 3 != 0)
+
+
+def _dense_mask(mask_mod, documents):
+    b, h, q, kv = torch.meshgrid(*(torch.arange(n) for n in (BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH)),
+                                 indexing="ij")
+    if mask_mod is _causal_documents:
+        return mask_mod(b, h, q, kv, documents)
+    return mask_mod(b, h, q, kv)
+
+
+@pytest.mark.parametrize("mask_mod", [_causal_documents, _causal_per_example_and_head],
+                         ids=["causal_documents", "per_example_and_head"])
+def test_compiled_flex_attention_runs_the_splash_kernel_where_pallas_kernels_are_used(mask_mod, monkeypatch):
+    """HF_TPU_PALLAS=1 takes the TPU chips' path here: a compiled FlexAttention without a score modification runs
+    JAX's splash-attention kernel (interpreted) forward and backward, one program each, and its output and gradients
+    equal a dense attention's on CPU, with grouped key/value heads, a mask reading a captured tensor or the example
+    and head, and a row with no key to attend (zeros, as FlexAttention gives)."""
+    from hf_tpu.kernels import pallas
+
+    calls, kernel = [], pallas.masked_attention
+    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((BATCH, HEADS, SPLASH_LENGTH, DIM), (BATCH, KV_HEADS, SPLASH_LENGTH, DIM),
+              (BATCH, KV_HEADS, SPLASH_LENGTH, DIM))
+    inputs = [torch.randn(shape, generator=generator) for shape in shapes]
+    weights = torch.randn(BATCH, HEADS, SPLASH_LENGTH, DIM, generator=generator)
+    documents = DOCUMENTS.to("tpu")
+    modifier = (lambda b, h, q, kv: _causal_documents(b, h, q, kv, documents)) if mask_mod is _causal_documents \
+        else mask_mod
+    block_mask = create_block_mask(modifier, BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH, device="tpu")
+    flex = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+    def dense(query, key, value):
+        key, value = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (key, value))
+        scores = (query @ key.transpose(-1, -2) / DIM ** 0.5).masked_fill(~_dense_mask(mask_mod, DOCUMENTS), -torch.inf)
+        return torch._safe_softmax(scores, -1) @ value
+
+    def outputs_and_gradients(attention, device):
+        tensors = [t.to(device).requires_grad_() for t in inputs]
+        out = attention(*tensors)
+        (out * weights.to(device)).sum().backward()
+        return [out.detach().cpu(), *(t.grad.cpu() for t in tensors)]
+
+    for result, reference in zip(outputs_and_gradients(flex, "tpu"), outputs_and_gradients(dense, "cpu")):
+        torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-4)
+    assert calls, "the splash kernel was not used"
+    assert compile_stats()["fallbacks"] == 0
+
+
+def test_flex_attention_with_a_score_modification_keeps_the_dense_expansion_where_pallas_kernels_are_used(monkeypatch):
+    """The splash kernel has no score modification: such a FlexAttention is expanded as everywhere else, correctly."""
+    from hf_tpu.kernels import pallas
+
+    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: pytest.fail("the splash kernel was used"))
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    test_flex_attention_forward_and_backward_match_a_dense_attention(True, monkeypatch)
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_the_splash_kernels_ops_run_op_by_op_as_a_graph_falling_back_runs_them(device):
+    """The graph ops the splash path puts in a graph (``hf_tpu::masked_attention`` and its backward) also run op by
+    op, on any device: output, base-2 logsumexp and gradients as autograd gives for a dense attention, a row with
+    no key to attend included (zeros, ``-inf``)."""
+    import hf_tpu.compile.flex_attention  # noqa: F401  (defines the ops)
+
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(BATCH, HEADS, 20, DIM, generator=generator)
+    key, value = (torch.randn(BATCH, KV_HEADS, 30, DIM, generator=generator) for _ in range(2))
+    mask = torch.rand(BATCH, HEADS, 20, 30, generator=generator) > 0.5
+    mask[0, 1, 3] = False
+    grad_out = torch.randn(BATCH, HEADS, 20, DIM, generator=generator)
+
+    def dense(query, key, value):
+        key, value = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (key, value))
+        scores = (query @ key.transpose(-1, -2) * 0.3).masked_fill(~mask, -torch.inf)
+        return torch._safe_softmax(scores, -1) @ value, scores.logsumexp(-1)
+
+    leaves = [t.clone().requires_grad_() for t in (query, key, value)]
+    expected_out, expected_logsumexp = dense(*leaves)
+    expected_out.backward(grad_out)
+    on_device = [t.to(device) for t in (query, key, value, mask)]
+    out, logsumexp = torch.ops.hf_tpu.masked_attention(*on_device, 0.3)
+    torch.testing.assert_close(out.cpu(), expected_out.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logsumexp.cpu() * math.log(2), expected_logsumexp.detach(), rtol=1e-5, atol=1e-5)
+    assert out[0, 1, 3].eq(0).all() and logsumexp[0, 1, 3].isneginf()
+    gradients = torch.ops.hf_tpu.masked_attention_backward(*on_device[:3], out, logsumexp, grad_out.to(device),
+                                                           on_device[3], 0.3)
+    for gradient, leaf in zip(gradients, leaves):
+        torch.testing.assert_close(gradient.cpu(), leaf.grad, rtol=1e-5, atol=1e-5)

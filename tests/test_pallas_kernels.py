@@ -116,6 +116,44 @@ def test_flash_attention_values_and_gradients(dtype: Any, masks: dict) -> None:
         assert_close(a, e, dtype)
 
 
+def _causal_documents(q_len: int, kv_len: int) -> jax.Array:
+    """Causal attention within documents of 100 tokens (packed sequences), the same for every example and head."""
+    query, key = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+    return ((key <= query) & (key // 100 == query // 100))[None, None]
+
+
+def _per_head(q_len: int, kv_len: int) -> jax.Array:
+    """A random mask per example and head with whole blocks masked; query 7 of example 1 attends no key."""
+    mask = jax.random.bernoulli(jax.random.key(5), 0.5, (2, 4, q_len, kv_len))
+    mask = mask & (jnp.arange(kv_len) < 128)  # every key block but the first masked whole
+    return mask.at[1, :, 7].set(False)
+
+
+MASKED_ATTENTION_MASKS = {"causal_documents": _causal_documents, "per_example_and_head": _per_head}
+
+
+@pytest.mark.parametrize("mask", MASKED_ATTENTION_MASKS.values(), ids=MASKED_ATTENTION_MASKS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+def test_masked_attention_values_and_gradients(dtype: Any, mask: Callable[[int, int], jax.Array]) -> None:
+    """Output, logsumexp and gradients (the backward given the forward's output and logsumexp) of the splash kernel
+    equal dense attention's, with grouped heads and sequences that are not whole blocks."""
+    q, k, v = attention_inputs(dtype, q_len=200, kv_len=330)
+    mask, scale = mask(200, 330), 0.3
+    out, logsumexp = pallas.masked_attention(q, k, v, mask, scale=scale)
+    expected_out, expected_logsumexp = references.masked_attention_reference(q, k, v, mask, scale=scale)
+    assert_close(out, expected_out, dtype)
+    allowed = jnp.any(mask, axis=-1) & jnp.ones(logsumexp.shape, bool)
+    assert bool(jnp.all(jnp.isneginf(logsumexp) == ~allowed))
+    np.testing.assert_allclose(np.where(allowed, logsumexp, 0), np.where(allowed, expected_logsumexp, 0),
+                               atol=TOLERANCE[dtype] * 10)
+
+    cotangent = random(4, out.shape, dtype)
+    actual = pallas.masked_attention_backward(q, k, v, out, logsumexp, cotangent, mask, scale=scale)
+    _, pullback = jax.vjp(lambda *a: references.masked_attention_reference(*a, mask, scale=scale)[0], q, k, v)
+    for a, e in zip(actual, pullback(cotangent)):
+        assert_close(a, e, dtype)
+
+
 @pytest.mark.parametrize(
     "dtype, max_len, lengths",
     [(jnp.float32, 384, [300, 5, 129]), (jnp.bfloat16, 384, [384, 1, 128]), (jnp.float32, 40, [40, 7, 21])],
@@ -179,6 +217,15 @@ def gmm_for_tpu(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.A
     return pallas.grouped_matmul(lhs, rhs, group_sizes, transpose_rhs=True, interpret=False)
 
 
+def masked_attention_for_tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple:
+    return pallas.masked_attention(q, k, v, mask, interpret=False)
+
+
+def masked_attention_backward_for_tpu(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple:
+    out = jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+    return pallas.masked_attention_backward(q, k, v, out, q[..., 0], q, mask, interpret=False)
+
+
 RMS_NORM_SPECS = (spec((3, 5, 256)), spec((256,)))
 FLASH_SPECS = (spec((2, 4, 200, 64)), spec((2, 2, 200, 64)), spec((2, 2, 200, 64)), spec((2, 1, 200, 200), bool))
 GMM_SPECS = (spec((200, 256)), spec((4, 384, 256)), spec((4,), jnp.int32))
@@ -192,6 +239,8 @@ LOWERINGS = {
         decode_for_tpu,
         (spec((2, 8, 64)), spec((2, 2, 512, 64)), spec((2, 2, 512, 64)), spec((2,), jnp.int32)),
     ),
+    "masked_attention": (masked_attention_for_tpu, FLASH_SPECS),
+    "masked_attention_backward": (masked_attention_backward_for_tpu, FLASH_SPECS),
     "grouped_matmul": (gmm_for_tpu, GMM_SPECS),
     "grouped_matmul_grad": (summed(gmm_for_tpu, (0, 1)), GMM_SPECS),
 }

@@ -7,13 +7,20 @@ against every key, ``score_mod`` applied to the scores, ``mask_mod`` masking the
 implementation, with the node's own ``score_mod`` and ``mask_mod`` graphs, into ATen ops and puts them in place of
 the node, so that the graph lowers to one XLA program with the mask and the score modification in it (XLA fuses
 them into the score computation). A graph with symbolic sizes (Dynamo's recompile after a new batch size) is
-traced with them: its integer inputs are the expansion's too. The block mask's sparsity is not used: masked blocks
-are computed and masked.
+traced with them: its integer inputs are the expansion's too. Expanded so, the block mask's sparsity is not used:
+masked blocks are computed and masked.
+
+Where Pallas kernels are used (TPU chips; ``HF_TPU_PALLAS=1``), an operator without a score modification, in float32
+or bfloat16 and of static sizes, is expanded instead into its mask (``mask_mod`` over every query and key, once for
+all examples and heads where it reads neither) and JAX's splash-attention kernel
+(:func:`hf_tpu.kernels.pallas.masked_attention`), which skips the 128 x 128 blocks the mask allows nothing in: the
+forward keeps its logsumexp for the backward, whose kernels do not compute the forward again.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import operator
 from typing import Any
 
@@ -23,14 +30,26 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from ..backend import runtime
+from ..kernels import pallas
+from .graph_ops import graph_lowering
 
-def _implementations() -> dict[Any, Any]:
+
+def _implementations() -> dict[Any, tuple[Any, Any, bool]]:
+    """Each operator's dense implementation (torch's), the masked-attention kernel's, and whether it is the
+    forward."""
     flex = importlib.import_module("torch._higher_order_ops.flex_attention")  # the package exports the operator
-    return {flex.flex_attention: flex.sdpa_dense, flex.flex_attention_backward: flex.sdpa_dense_backward}
+    return {flex.flex_attention: (flex.sdpa_dense, _masked_forward, True),
+            flex.flex_attention_backward: (flex.sdpa_dense_backward, _masked_backward, False)}
 
 
 def _replace_uses(node: fx.Node, value: Any, graph: fx.Graph) -> None:
-    """Points the users of ``node`` (an operator's result, maybe a tuple taken apart by ``getitem``) at ``value``."""
+    """Points the users of ``node`` (an operator's result, maybe a tuple taken apart by ``getitem``) at ``value``
+    (``None`` for a result nothing uses)."""
+    if value is None:
+        if node.users:
+            raise NotImplementedError(f"tpu graph mode: {node} uses a FlexAttention result not computed")
+        return
     if isinstance(value, fx.Node):
         node.replace_all_uses_with(value)
         return
@@ -77,15 +96,124 @@ def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: An
     graph.erase_node(node)
 
 
+_LIBRARY = torch.library.Library("hf_tpu", "FRAGMENT")  # row_updates defines ops of this namespace too
+_LIBRARY.define("masked_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) "
+                "-> (Tensor, Tensor)")
+_LIBRARY.define("masked_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
+                "Tensor grad_out, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)")
+
+
+def _dense_scores(query, key, value, mask, scale):
+    group = query.size(1) // key.size(1)
+    key, value = (t.repeat_interleave(group, dim=1).float() for t in (key, value))
+    return (query.float() @ key.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf), key, value
+
+
+def _masked_attention_by_ops(query, key, value, mask, scale):
+    scores, _, value = _dense_scores(query, key, value, mask, scale)
+    return (torch._safe_softmax(scores, -1) @ value).to(query.dtype), scores.logsumexp(-1) / math.log(2)
+
+
+def _masked_attention_backward_by_ops(query, key, value, out, logsumexp, grad_out, mask, scale):
+    scores, expanded_key, expanded_value = _dense_scores(query, key, value, mask, scale)
+    weights = torch.exp(scores - (logsumexp * math.log(2)).nan_to_num(neginf=0.0)[..., None])
+    grad_out = grad_out.float()
+    grad_scores = weights * (grad_out @ expanded_value.transpose(-1, -2) - (out.float() * grad_out).sum(-1, True))
+    grouped = (*key.shape[:2], query.size(1) // key.size(1), *key.shape[2:])
+    grad_key = (grad_scores.transpose(-1, -2) @ query.float() * scale).reshape(grouped).sum(2)
+    grad_value = (weights.transpose(-1, -2) @ grad_out).reshape(grouped[:-1] + (value.size(-1),)).sum(2)
+    return (grad_scores @ expanded_key * scale).to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
+
+
+# torch ops, so that a graph holding them still runs op by op (a graph that falls back to eager mode) and traces
+_LIBRARY.impl("masked_attention", _masked_attention_by_ops, "CompositeExplicitAutograd")
+_LIBRARY.impl("masked_attention_backward", _masked_attention_backward_by_ops, "CompositeExplicitAutograd")
+
+
+@graph_lowering("hf_tpu::masked_attention")
+def masked_attention(query, key, value, mask, scale):
+    """Attention where the boolean ``mask`` allows it (:func:`hf_tpu.kernels.pallas.masked_attention`) and the
+    logsumexp of each query row in base 2, as FlexAttention's operator keeps it."""
+    out, logsumexp = pallas.masked_attention(query, key, value, mask, scale=scale)
+    return out, logsumexp / math.log(2)
+
+
+@graph_lowering("hf_tpu::masked_attention_backward")
+def masked_attention_backward(query, key, value, out, logsumexp, grad_out, mask, scale):
+    """The gradients of :func:`masked_attention`'s output in its query, key and value, from its results."""
+    return pallas.masked_attention_backward(query, key, value, out, logsumexp * math.log(2), grad_out, mask,
+                                            scale=scale)
+
+
+def _reads_example_or_head(mask_mod: fx.GraphModule) -> bool:
+    example, head = [node for node in mask_mod.graph.nodes if node.op == "placeholder"][:2]
+    return bool(example.users or head.users)
+
+
+def _mask(query: torch.Tensor, key: torch.Tensor, block_mask: tuple, buffers: tuple) -> torch.Tensor:
+    """``mask_mod`` at every query and key: ``[B, Hq, Q, K]``, or ``[1, 1, Q, K]`` if it reads neither."""
+    vmap_for_bhqkv = importlib.import_module("torch.nn.attention.flex_attention")._vmap_for_bhqkv
+    get_item_to_index = importlib.import_module("torch._dynamo._trace_wrapped_higher_order_op").TransformGetItemToIndex
+    mask_mod = block_mask[-1]
+    sizes = (*query.shape[:2], query.size(2), key.size(2))
+    if not _reads_example_or_head(mask_mod):
+        sizes = (1, 1, *sizes[2:])
+    indices = [torch.arange(size, device=query.device) for size in sizes]
+    with get_item_to_index():
+        return vmap_for_bhqkv(mask_mod, prefix=(), suffix=(None,) * len(buffers))(*indices, *buffers)
+
+
+def _masked_forward(query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_other_buffers=(),
+                    mask_mod_other_buffers=()) -> tuple:
+    """``sdpa_dense``'s signature and results, less the row maxima (no user: :func:`_kernel_serves`)."""
+    mask = _mask(query, key, block_mask, mask_mod_other_buffers)
+    out, logsumexp = torch.ops.hf_tpu.masked_attention(query, key, value, mask, scale)
+    return out, logsumexp, None
+
+
+def _masked_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph, block_mask,
+                     scale, kernel_options, score_mod_other_buffers, mask_mod_other_buffers) -> tuple:
+    """``sdpa_dense_backward``'s signature and results (no score modification, so no gradients of its buffers)."""
+    mask = _mask(query, key, block_mask, mask_mod_other_buffers)
+    gradients = torch.ops.hf_tpu.masked_attention_backward(query, key, value, out, logsumexp, grad_out, mask, scale)
+    return (*gradients, ())
+
+
+def _kernel_serves(graph_module: fx.GraphModule, node: fx.Node, forward: bool) -> bool:
+    """Whether the masked-attention kernel computes this FlexAttention node: Pallas kernels in use, no score
+    modification, float32 or bfloat16 inputs of static sizes and one batch, and none of the results it lacks used
+    (the forward's row maxima, the backward's gradient of the logsumexp)."""
+    if not runtime.pallas_kernels():
+        return False
+    score_mod = graph_module.get_submodule(node.args[3 if forward else 7].target)
+    score, *_ = [inner for inner in score_mod.graph.nodes if inner.op == "placeholder"]
+    output = next(inner for inner in score_mod.graph.nodes if inner.op == "output")
+    if output.args[0] is not score:
+        return False
+    query, key, value = (node.args[index].meta["val"] for index in range(3))
+    if not all(isinstance(size, int) for tensor in (query, key, value) for size in tensor.shape):
+        return False
+    if query.dtype not in (torch.float32, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
+        return False
+    if query.size(0) != key.size(0):
+        return False
+    if forward:
+        return not any(user.args[1] == 2 and user.users for user in node.users)
+    return node.args[6] is None
+
+
 def expand(graph_module: fx.GraphModule, decompositions: dict) -> int:
-    """Expands, in place, each FlexAttention operator of the graph (see the module docstring) into ATen ops, with
-    ``decompositions`` for those graph mode does not lower; returns how many."""
+    """Expands, in place, each FlexAttention operator of the graph (see the module docstring) into ATen ops (and the
+    masked-attention kernel's, where it serves), with ``decompositions`` for those graph mode does not lower; returns
+    how many."""
     implementations = _implementations()
     nodes = [node for node in graph_module.graph.nodes
              if node.op == "call_function" and node.target in implementations]
     for node in nodes:
+        dense, kernel, forward = implementations[node.target]
+        implementation = kernel if _kernel_serves(graph_module, node, forward) else dense
         try:
-            _expand_node(graph_module, node, implementations[node.target], decompositions)
+            _expand_node(graph_module, node, implementation, decompositions)
         except NotImplementedError:
             raise
         except Exception as error:  # tracing torch's implementation failed: the graph runs op by op

@@ -47,6 +47,23 @@ def attention_reference(
     return jnp.einsum("bhqk,bhkd->bhqd", weights, v).astype(q.dtype)
 
 
+def masked_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Dense attention under a boolean mask and the logsumexp of each row's logits; rows the mask allows no key give
+    zeros and ``-inf``."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
+    k = jnp.repeat(k, heads // kv_heads, axis=1).astype(jnp.float32)
+    v = jnp.repeat(v, heads // kv_heads, axis=1).astype(jnp.float32)
+    logits = jnp.where(mask, jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k) * scale, -jnp.inf)
+    logsumexp = jax.nn.logsumexp(logits, axis=-1)
+    allowed = jnp.any(mask, axis=-1)
+    weights = jnp.exp(logits - jnp.where(allowed, logsumexp, 0.0)[..., None])
+    out = jnp.einsum("bhqk,bhkd->bhqd", weights, v)
+    return jnp.where(allowed[..., None], out, 0.0).astype(q.dtype), jnp.broadcast_to(logsumexp, out.shape[:3])
+
+
 def decode_attention_reference(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *, scale: float | None = None
 ) -> jax.Array:
