@@ -94,38 +94,44 @@ def test_transformers_flex_attention_on_tpu_gives_cpus_logits():
         torch.testing.assert_close(tpu_model(tokens.to("tpu")).logits.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
-SPLASH_LENGTH = 300  # three documents of 100 tokens; not a whole number of the kernel's 128-blocks
-DOCUMENTS = torch.arange(SPLASH_LENGTH) // 100
+SPLASH_LENGTH = 300  # not a whole number of the kernel's 128-blocks
+# documents of 100 tokens in example 0 and of 60 in example 1, packed
+DOCUMENTS = torch.arange(SPLASH_LENGTH)[None, :] // torch.tensor([[100], [60]])
 
 
-def _causal_documents(b, h, q_index, kv_index, documents):
-    return (q_index >= kv_index) & (documents[q_index] == documents[kv_index])
+def _causal_documents(documents):
+    """Causal within the documents of example 0, for every example: reads neither the example nor the head."""
+    return lambda b, h, q_index, kv_index: (q_index >= kv_index) & (documents[0, q_index] == documents[0, kv_index])
 
 
-def _causal_per_example_and_head(b, h, q_index, kv_index):
+def _causal_documents_per_example(documents):
+    """Causal within each example's documents (TorchTitan's document masking): reads the example."""
+    return lambda b, h, q_index, kv_index: (q_index >= kv_index) & (documents[b, q_index] == documents[b, kv_index])
+
+
+def _causal_per_example_and_head(documents):
     """Reads the example and the head; query 0 of example 0, head 0 attends no key."""
-    return (q_index >= kv_index) & ((kv_index + h + b) % 3 != 0)
+    return lambda b, h, q_index, kv_index: (q_index >= kv_index) & ((kv_index + h + b) % 3 != 0)
 
 
-def _dense_mask(mask_mod, documents):
-    b, h, q, kv = torch.meshgrid(*(torch.arange(n) for n in (BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH)),
-                                 indexing="ij")
-    if mask_mod is _causal_documents:
-        return mask_mod(b, h, q, kv, documents)
-    return mask_mod(b, h, q, kv)
+# each mask_mod and the examples and heads of the mask it makes: only those it reads
+SPLASH_MASKS = {"causal_documents": (_causal_documents, (1, 1)),
+                "documents_per_example": (_causal_documents_per_example, (BATCH, 1)),
+                "per_example_and_head": (_causal_per_example_and_head, (BATCH, HEADS))}
 
 
-@pytest.mark.parametrize("mask_mod", [_causal_documents, _causal_per_example_and_head],
-                         ids=["causal_documents", "per_example_and_head"])
-def test_compiled_flex_attention_runs_the_splash_kernel_where_pallas_kernels_are_used(mask_mod, monkeypatch):
+@pytest.mark.parametrize("mask_mod, mask_examples_and_heads", SPLASH_MASKS.values(), ids=SPLASH_MASKS.keys())
+def test_compiled_flex_attention_runs_the_splash_kernel_where_pallas_kernels_are_used(mask_mod, mask_examples_and_heads,
+                                                                                      monkeypatch):
     """HF_TPU_PALLAS=1 takes the TPU chips' path here: a compiled FlexAttention without a score modification runs
     JAX's splash-attention kernel (interpreted) forward and backward, one program each, and its output and gradients
-    equal a dense attention's on CPU, with grouped key/value heads, a mask reading a captured tensor or the example
-    and head, and a row with no key to attend (zeros, as FlexAttention gives)."""
+    equal a dense attention's on CPU, with grouped key/value heads, a mask reading a captured tensor, the example or
+    the head, and a row with no key to attend (zeros, as FlexAttention gives). The mask has one example or head
+where the mask_mod reads none."""
     from hf_tpu.kernels import pallas
 
-    calls, kernel = [], pallas.masked_attention
-    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    masks, kernel = [], pallas.masked_attention
+    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: masks.append(a[3].shape[:2]) or kernel(*a, **k))
     monkeypatch.setenv("HF_TPU_PALLAS", "1")
     monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
     generator = torch.Generator().manual_seed(0)
@@ -133,15 +139,15 @@ def test_compiled_flex_attention_runs_the_splash_kernel_where_pallas_kernels_are
               (BATCH, KV_HEADS, SPLASH_LENGTH, DIM))
     inputs = [torch.randn(shape, generator=generator) for shape in shapes]
     weights = torch.randn(BATCH, HEADS, SPLASH_LENGTH, DIM, generator=generator)
-    documents = DOCUMENTS.to("tpu")
-    modifier = (lambda b, h, q, kv: _causal_documents(b, h, q, kv, documents)) if mask_mod is _causal_documents \
-        else mask_mod
-    block_mask = create_block_mask(modifier, BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH, device="tpu")
+    block_mask = create_block_mask(mask_mod(DOCUMENTS.to("tpu")), BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH,
+                                   device="tpu")
     flex = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+    indices = torch.meshgrid(*(torch.arange(n) for n in (BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH)), indexing="ij")
+    allowed = mask_mod(DOCUMENTS)(*indices)
 
     def dense(query, key, value):
         key, value = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (key, value))
-        scores = (query @ key.transpose(-1, -2) / DIM ** 0.5).masked_fill(~_dense_mask(mask_mod, DOCUMENTS), -torch.inf)
+        scores = (query @ key.transpose(-1, -2) / DIM ** 0.5).masked_fill(~allowed, -torch.inf)
         return torch._safe_softmax(scores, -1) @ value
 
     def outputs_and_gradients(attention, device):
@@ -152,7 +158,7 @@ def test_compiled_flex_attention_runs_the_splash_kernel_where_pallas_kernels_are
 
     for result, reference in zip(outputs_and_gradients(flex, "tpu"), outputs_and_gradients(dense, "cpu")):
         torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-4)
-    assert calls, "the splash kernel was not used"
+    assert masks == [mask_examples_and_heads], "the splash kernel was not used once, with the mask expected"
     assert compile_stats()["fallbacks"] == 0
 
 

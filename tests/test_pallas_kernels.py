@@ -122,14 +122,32 @@ def _causal_documents(q_len: int, kv_len: int) -> jax.Array:
     return ((key <= query) & (key // 100 == query // 100))[None, None]
 
 
+def _documents_per_example(q_len: int, kv_len: int) -> jax.Array:
+    """Causal attention within documents of 100 tokens in example 0 and of 60 in example 1."""
+    query, key = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+    documents = jnp.array([100, 60])[:, None, None]
+    return ((key <= query) & (key // documents == query // documents))[:, None]
+
+
 def _per_head(q_len: int, kv_len: int) -> jax.Array:
+    """A random mask per head (the same for both examples) with whole blocks masked."""
+    mask = jax.random.bernoulli(jax.random.key(6), 0.5, (1, 4, q_len, kv_len))
+    return mask & (jnp.arange(kv_len) >= 128)  # the first key block masked whole
+
+
+def _per_example_and_head(q_len: int, kv_len: int) -> jax.Array:
     """A random mask per example and head with whole blocks masked; query 7 of example 1 attends no key."""
     mask = jax.random.bernoulli(jax.random.key(5), 0.5, (2, 4, q_len, kv_len))
     mask = mask & (jnp.arange(kv_len) < 128)  # every key block but the first masked whole
     return mask.at[1, :, 7].set(False)
 
 
-MASKED_ATTENTION_MASKS = {"causal_documents": _causal_documents, "per_example_and_head": _per_head}
+MASKED_ATTENTION_MASKS = {
+    "causal_documents": _causal_documents,
+    "documents_per_example": _documents_per_example,
+    "per_head": _per_head,
+    "per_example_and_head": _per_example_and_head,
+}
 
 
 @pytest.mark.parametrize("mask", MASKED_ATTENTION_MASKS.values(), ids=MASKED_ATTENTION_MASKS.keys())
@@ -241,6 +259,7 @@ LOWERINGS = {
     ),
     "masked_attention": (masked_attention_for_tpu, FLASH_SPECS),
     "masked_attention_backward": (masked_attention_backward_for_tpu, FLASH_SPECS),
+    "masked_attention_one_mask": (masked_attention_for_tpu, (*FLASH_SPECS[:3], spec((1, 1, 200, 200), bool))),
     "grouped_matmul": (gmm_for_tpu, GMM_SPECS),
     "grouped_matmul_grad": (summed(gmm_for_tpu, (0, 1)), GMM_SPECS),
 }

@@ -12,7 +12,7 @@ masked blocks are computed and masked.
 
 Where Pallas kernels are used (TPU chips; ``HF_TPU_PALLAS=1``), an operator without a score modification, in float32
 or bfloat16 and of static sizes, is expanded instead into its mask (``mask_mod`` over every query and key, once for
-all examples and heads where it reads neither) and JAX's splash-attention kernel
+each example or head only where it reads them) and JAX's splash-attention kernel
 (:func:`hf_tpu.kernels.pallas.masked_attention`), which skips the 128 x 128 blocks the mask allows nothing in: the
 forward keeps its logsumexp for the backward, whose kernels do not compute the forward again.
 """
@@ -145,19 +145,13 @@ def masked_attention_backward(query, key, value, out, logsumexp, grad_out, mask,
                                             scale=scale)
 
 
-def _reads_example_or_head(mask_mod: fx.GraphModule) -> bool:
-    example, head = [node for node in mask_mod.graph.nodes if node.op == "placeholder"][:2]
-    return bool(example.users or head.users)
-
-
 def _mask(query: torch.Tensor, key: torch.Tensor, block_mask: tuple, buffers: tuple) -> torch.Tensor:
-    """``mask_mod`` at every query and key: ``[B, Hq, Q, K]``, or ``[1, 1, Q, K]`` if it reads neither."""
+    """``mask_mod`` at every query and key, ``[B | 1, Hq | 1, Q, K]``: one example or head where it reads none."""
     vmap_for_bhqkv = importlib.import_module("torch.nn.attention.flex_attention")._vmap_for_bhqkv
     get_item_to_index = importlib.import_module("torch._dynamo._trace_wrapped_higher_order_op").TransformGetItemToIndex
     mask_mod = block_mask[-1]
-    sizes = (*query.shape[:2], query.size(2), key.size(2))
-    if not _reads_example_or_head(mask_mod):
-        sizes = (1, 1, *sizes[2:])
+    example, head = [node for node in mask_mod.graph.nodes if node.op == "placeholder"][:2]
+    sizes = (query.size(0) if example.users else 1, query.size(1) if head.users else 1, query.size(2), key.size(2))
     indices = [torch.arange(size, device=query.device) for size in sizes]
     with get_item_to_index():
         return vmap_for_bhqkv(mask_mod, prefix=(), suffix=(None,) * len(buffers))(*indices, *buffers)

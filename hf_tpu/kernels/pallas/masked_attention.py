@@ -12,15 +12,18 @@ as a training step's backward program gets them from its forward program, and ru
 ``dq`` and ``dkv`` kernels) without computing the forward again. Rows that the mask allows no key give an output of
 zeros and a logsumexp of ``-inf`` (FlexAttention's convention) and no gradient.
 
-The batch is folded into the heads (``[B * H, S, D]``: the kernel maps query head ``h`` to key/value head
-``h // (Hq / Hkv)``, which keeps each example's grouped heads together), so one kernel call serves the whole batch.
-A mask the same for every example and head is processed once, ``[Q, K]``; otherwise per example and head. Sequences
-are padded to whole blocks (padded keys masked, padded queries sliced off).
+The kernel computes ``[H, S, D]`` with a mask ``[1 | H, Q, K]`` (one for all heads, processed once, or one per
+head). A mask the same for every example is computed with the batch folded into the heads (``[B * H, S, D]``: the
+kernel maps query head ``h`` to key/value head ``h // (Hq / Hkv)``, which keeps each example's grouped heads
+together); a mask per example (packed documents) with the kernel mapped over the batch (``jax.vmap``). So a causal
+or sliding-window mask costs ``Q x K`` booleans, a document mask ``B x Q x K``. Sequences are padded to whole
+blocks (padded keys masked, padded queries sliced off).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,14 +58,14 @@ def masked_attention(
     of the scaled logits (zeros and ``-inf`` in rows the mask allows no key). Not differentiable by JAX: its
     backward is :func:`masked_attention_backward`. ``interpret``: see ``interpret_unless_on_tpu``.
     """
-    batch, heads, q_len, head_dim = q.shape
-    scale = head_dim**-0.5 if scale is None else scale
-    call = functools.partial(_forward, scale=scale)
-    out, logsumexp = interpret_unless_on_tpu(call, interpret)(*_folded(q, k, v, mask))
-    out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :q_len]
-    logsumexp = logsumexp.reshape(batch, heads, -1)[:, :, :q_len]
+    q_len = q.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    padded_q, padded_k, padded_v, padded_mask = _padded(q, k, v, mask)
+    call = _over_the_batch(functools.partial(_forward, scale=scale), mask)
+    out, logsumexp = interpret_unless_on_tpu(call, interpret)(padded_q, padded_k, padded_v, padded_mask)
     allowed = _rows_allowed(mask)
-    return jnp.where(allowed[..., None], out, 0).astype(q.dtype), jnp.where(allowed, logsumexp, -jnp.inf)
+    out = jnp.where(allowed[..., None], out[:, :, :q_len], 0).astype(q.dtype)
+    return out, jnp.where(allowed, logsumexp[:, :, :q_len], -jnp.inf)
 
 
 def masked_attention_backward(
@@ -80,46 +83,47 @@ def masked_attention_backward(
     """The gradients of :func:`masked_attention`'s output in ``q``, ``k`` and ``v``, given its output and logsumexp
     (the forward is not computed again) and the output's gradient ``grad_out``. Same shapes and dtypes as the
     inputs."""
-    batch, heads, q_len, head_dim = q.shape
-    scale = head_dim**-0.5 if scale is None else scale
+    q_len, kv_len = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     logsumexp = jnp.where(_rows_allowed(mask), logsumexp, 0.0)  # finite: the masked logits' weights are exp(-huge)
-    folded_q, folded_k, folded_v, folded_mask = _folded(q, k, v, mask)
-    padded = folded_q.shape[1]
-    out, grad_out = (_fold(pad_axis(x, 2, padded)) for x in (out, grad_out))
-    logsumexp = pad_axis(logsumexp, 2, padded).reshape(batch * heads, padded).astype(jnp.float32)
-    call = functools.partial(_backward, scale=scale)
+    padded_q, padded_k, padded_v, padded_mask = _padded(q, k, v, mask)
+    rows = padded_q.shape[2]
+    out, grad_out, logsumexp = (pad_axis(x, 2, rows) for x in (out, grad_out, logsumexp.astype(jnp.float32)))
+    call = _over_the_batch(functools.partial(_backward, scale=scale), mask)
     dq, dk, dv = interpret_unless_on_tpu(call, interpret)(
-        folded_q, folded_k, folded_v, out, logsumexp, grad_out, folded_mask)
-    kv_len = k.shape[2]
-    return (
-        dq.reshape(batch, heads, -1, head_dim)[:, :, :q_len].astype(q.dtype),
-        dk.reshape(k.shape[:2] + (-1, head_dim))[:, :, :kv_len].astype(k.dtype),
-        dv.reshape(v.shape[:2] + (-1, v.shape[-1]))[:, :, :kv_len].astype(v.dtype),
-    )
+        padded_q, padded_k, padded_v, out, logsumexp, grad_out, padded_mask)
+    return (dq[:, :, :q_len].astype(q.dtype), dk[:, :, :kv_len].astype(k.dtype), dv[:, :, :kv_len].astype(v.dtype))
 
 
 def _rows_allowed(mask: jax.Array) -> jax.Array:
     return jnp.any(mask, axis=-1)
 
 
-def _fold(x: jax.Array) -> jax.Array:
-    return x.reshape((-1,) + x.shape[2:])
+def _padded(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
+    """Sequences padded to whole blocks, the padding masked."""
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"masked_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} "
+                         "key/value heads")
+    q_padded, kv_padded = round_up(q.shape[2], _BLOCK), round_up(k.shape[2], _BLOCK)
+    mask = pad_axis(pad_axis(mask, 2, q_padded, False), 3, kv_padded, False)
+    return pad_axis(q, 2, q_padded), pad_axis(k, 2, kv_padded), pad_axis(v, 2, kv_padded), mask
 
 
-def _folded(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, ...]:
-    """Batch folded into heads, sequences padded to whole blocks; the mask ``[1 | B * Hq, Q, K]`` to match."""
-    batch, heads, q_len = q.shape[:3]
-    kv_len = k.shape[2]
-    if heads % k.shape[1]:
-        raise ValueError(f"masked_attention: {heads} query heads are not a multiple of {k.shape[1]} key/value heads")
-    q_padded, kv_padded = round_up(q_len, _BLOCK), round_up(kv_len, _BLOCK)
-    if mask.shape[:2] == (1, 1):
-        mask = mask[0]
-    else:
-        mask = _fold(jnp.broadcast_to(mask, (batch, heads, q_len, kv_len)))
-    mask = pad_axis(pad_axis(mask, 1, q_padded, False), 2, kv_padded, False)
-    return (_fold(pad_axis(q, 2, q_padded)), _fold(pad_axis(k, 2, kv_padded)), _fold(pad_axis(v, 2, kv_padded)),
-            mask)
+def _over_the_batch(fn, mask: jax.Array):
+    """``fn`` of one example (``[H, S, D]`` tensors, its mask ``[1 | H, Q, K]`` last) over the batch: mapped over it
+    for a mask per example, else on the batch folded into the heads (the mask repeated per example only if it is
+    one per head)."""
+    if mask.shape[0] != 1:
+        return jax.vmap(fn)
+
+    def folded(*args: jax.Array) -> Any:
+        *tensors, mask = args
+        batch, heads = tensors[0].shape[:2]
+        mask = mask[0] if mask.shape[1] == 1 else jnp.tile(mask[0], (batch, 1, 1))
+        results = fn(*(x.reshape((-1,) + x.shape[2:]) for x in tensors), mask)
+        return jax.tree.map(lambda x: x.reshape((batch, -1) + x.shape[1:]), results)
+
+    return folded
 
 
 def _kernel(mask: jax.Array, save_residuals: bool) -> splash_kernel.SplashAttentionKernel:
