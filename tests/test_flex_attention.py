@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from conftest import tiny_llama
@@ -37,14 +38,14 @@ def _dense(query, key, value):
     return scores.softmax(-1) @ value
 
 
-def _inputs():
+def _inputs(batch=BATCH):
     generator = torch.Generator().manual_seed(0)
-    shapes = ((BATCH, HEADS, LENGTH, DIM), (BATCH, KV_HEADS, LENGTH, DIM), (BATCH, KV_HEADS, LENGTH, DIM))
+    shapes = ((batch, HEADS, LENGTH, DIM), (batch, KV_HEADS, LENGTH, DIM), (batch, KV_HEADS, LENGTH, DIM))
     return [torch.randn(shape, generator=generator) for shape in shapes]
 
 
 def _gradients(attention, device, batch=BATCH):
-    tensors = [t[:batch].to(device).requires_grad_() for t in _inputs()]
+    tensors = [t.to(device).requires_grad_() for t in _inputs(batch)]
     out = attention(*tensors)
     (out * torch.linspace(-1, 1, DIM, device=device)).sum().backward()
     return [out.detach().cpu(), *(t.grad.cpu() for t in tensors)]
@@ -160,6 +161,37 @@ where the mask_mod reads none."""
         torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-4)
     assert masks == [mask_examples_and_heads], "the splash kernel was not used once, with the mask expected"
     assert compile_stats()["fallbacks"] == 0
+
+
+def test_a_new_batch_size_runs_the_splash_kernel_with_symbolic_sizes(monkeypatch):
+    """Dynamo's recompile with a symbolic batch size (a trainer's last, smaller batch) keeps the splash kernel: each
+    batch size's program runs it, with the values of causal attention on CPU."""
+    from hf_tpu.compile import flex_attention as expansion
+    from hf_tpu.kernels import pallas
+
+    batches, kernel = [], pallas.masked_attention
+    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: batches.append(a[0].shape[0]) or kernel(*a, **k))
+    symbolic, serves = [], expansion._kernel_serves
+
+    def serves_and_records(graph_module, node, forward):
+        symbolic.append(isinstance(node.args[0].meta["val"].shape[0], torch.SymInt))
+        return serves(graph_module, node, forward)
+
+    monkeypatch.setattr(expansion, "_kernel_serves", serves_and_records)
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
+    flex = torch.compile(flex_attention)
+    block_mask = create_block_mask(_causal, None, None, LENGTH, LENGTH, device="tpu")
+
+    def causal(query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+
+    for batch in (4, 3, 2):  # 3 and 2 (at least) on one graph of a symbolic batch size
+        on_tpu = _gradients(lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True), "tpu", batch)
+        for result, reference in zip(on_tpu, _gradients(causal, "cpu", batch)):
+            torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-4)
+    assert batches == [4, 3, 2]
+    assert any(symbolic)
 
 
 def test_flex_attention_with_a_score_modification_keeps_the_dense_expansion_where_pallas_kernels_are_used(monkeypatch):

@@ -11,7 +11,7 @@ traced with them: its integer inputs are the expansion's too. Expanded so, the b
 masked blocks are computed and masked.
 
 Where Pallas kernels are used (TPU chips; ``HF_TPU_PALLAS=1``), an operator without a score modification, in float32
-or bfloat16 and of static sizes, is expanded instead into its mask (``mask_mod`` over every query and key, once for
+or bfloat16, is expanded instead into its mask (``mask_mod`` over every query and key, once for
 each example or head only where it reads them) and JAX's splash-attention kernel
 (:func:`hf_tpu.kernels.pallas.masked_attention`), which skips the 128 x 128 blocks the mask allows nothing in: the
 forward keeps its logsumexp for the backward, whose kernels do not compute the forward again.
@@ -28,6 +28,7 @@ import torch
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from ..backend import runtime
@@ -175,7 +176,7 @@ def _masked_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp
 
 def _kernel_serves(graph_module: fx.GraphModule, node: fx.Node, forward: bool) -> bool:
     """Whether the masked-attention kernel computes this FlexAttention node: Pallas kernels in use, no score
-    modification, float32 or bfloat16 inputs of static sizes and one batch, and none of the results it lacks used
+    modification, float32 or bfloat16 inputs of one batch size, and none of the results it lacks used
     (the forward's row maxima, the backward's gradient of the logsumexp)."""
     if not runtime.pallas_kernels():
         return False
@@ -185,11 +186,9 @@ def _kernel_serves(graph_module: fx.GraphModule, node: fx.Node, forward: bool) -
     if output.args[0] is not score:
         return False
     query, key, value = (node.args[index].meta["val"] for index in range(3))
-    if not all(isinstance(size, int) for tensor in (query, key, value) for size in tensor.shape):
-        return False
     if query.dtype not in (torch.float32, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:
         return False
-    if query.size(0) != key.size(0):
+    if not statically_known_true(query.size(0) == key.size(0)):
         return False
     if forward:
         return not any(user.args[1] == 2 and user.users for user in node.users)
