@@ -212,6 +212,36 @@ def test_long_attention_runs_on_the_flash_kernel_where_pallas_kernels_are_used(m
     assert not calls
 
 
+def test_long_attention_with_a_boolean_mask_runs_on_the_splash_kernel_where_pallas_kernels_are_used(monkeypatch):
+    """HF_TPU_PALLAS=1 takes the TPU chips' path here (JAX's splash kernel, interpreted) for long attention under a
+    boolean mask: two packed sequences (block-diagonal, causal, as continuous batching's steps and packed training
+    batches have them) with grouped key/value heads and a query row that attends no key (zeros, as on CPU): output
+    and gradients match the CPU. An additive float mask keeps XLA's lowering."""
+    from hf_tpu.kernels import pallas
+
+    calls, kernel = [], pallas.masked_attention
+    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 200, 16), torch.randn(2, 1, 1040, 16), torch.randn(2, 1, 1040, 16)
+    query, key = torch.arange(200)[:, None] * 5, torch.arange(1040)[None, :]
+    mask = (key <= query) & ((key < 600) == (query < 600))  # [200, 1040]: queries of each sequence, its own keys
+    mask[7] = False
+    expected, expected_grads = sdpa_with_grads(q, k, v, mask, enable_gqa=True)
+    actual, actual_grads = sdpa_with_grads(*to_tpu((q, k, v, mask)), enable_gqa=True)
+    assert calls, "the splash kernel was not used"
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+    assert actual[:, :, 7].eq(0).all()
+    for got, want in zip(actual_grads, expected_grads):
+        assert_same(got, want, atol=1e-4, rtol=1e-4)
+
+    calls.clear()
+    additive = torch.zeros(mask.shape).masked_fill(~mask, -1e9)
+    assert_same(F.scaled_dot_product_attention(*to_tpu((q, k, v, additive)), enable_gqa=True),
+                F.scaled_dot_product_attention(q, k, v, additive, enable_gqa=True), atol=1e-5, rtol=1e-5)
+    assert not calls
+
+
 def test_a_padding_mask_on_tpu_is_not_read_by_the_host(monkeypatch):
     """transformers asks whether a padding mask holds any padding (a host read) to pass SDPA ``is_causal``
     instead; on tpu the mask is kept, with the same logits, and nothing waits for the device."""

@@ -162,6 +162,25 @@ def _steps_traced_afresh() -> None:
     reset_code(code)
 
 
+def test_a_steps_attention_runs_on_the_splash_kernel_where_pallas_kernels_are_used(fresh_dynamo, monkeypatch):
+    """HF_TPU_PALLAS=1 takes the TPU chips' path here: a step's attention gets a boolean mask (transformers builds an
+    additive one), and the steps of 256 query tokens reading 1,024 cached tokens or more run on JAX's splash kernel
+    (interpreted), which skips the blocks of other requests' keys; the tokens are CPU's."""
+    from hf_tpu.kernels import pallas
+
+    masks, kernel = [], pallas.masked_attention
+    monkeypatch.setattr(pallas, "masked_attention", lambda *a, **k: masks.append(a[3]) or kernel(*a, **k))
+    monkeypatch.setenv("HF_TPU_PALLAS", "1")
+    model = tiny_llama(max_position_embeddings=256).eval()
+    lengths = (100, 90, 110, 95, 105, 120, 80, 99, 101, 97, 111, 93)  # 1,201 prompt tokens, 256 a step
+    prompts = [torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+    settings = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=256, max_blocks_per_request=0)
+    expected = _generate_batch(model, prompts, settings)
+    _steps_traced_afresh()
+    assert _generate_batch(model.to("tpu"), prompts, settings) == expected
+    assert masks and all(mask.dtype == bool and mask.shape[-2] == 256 and mask.shape[-1] >= 1024 for mask in masks)
+
+
 def test_a_batch_as_large_as_the_head_dimension_keeps_the_decode_step_dynamic(fresh_dynamo):
     model = tiny_llama().eval()
     head_dim = model.config.hidden_size // model.config.num_attention_heads  # 16: the first decode batch's size

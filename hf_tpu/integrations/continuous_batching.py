@@ -305,7 +305,11 @@ def paged_decode_attention(query: torch.Tensor, key_pages: torch.Tensor, value_p
 
 def _install_block_table_sdpa(modeling_utils: Any) -> None:
     """SDPA called with a block table (the decode fast path, enabled on tpu by
-    :func:`_install_tpu_decode_fast_path`) runs :func:`paged_decode_attention`; other calls are SDPA's own."""
+    :func:`_install_tpu_decode_fast_path`) runs :func:`paged_decode_attention`; other calls are SDPA's own. The
+    other calls of a step on tpu (``cu_seq_lens_q`` among their arguments) pass SDPA a boolean mask: transformers
+    builds an additive one (0 where a query attends a key, the dtype's lowest value elsewhere), which only XLA's
+    dense attention takes, while a boolean one runs on the splash kernel where Pallas kernels are used, and that
+    kernel skips the blocks of other requests' keys (a step's queries attend only their own request's keys)."""
     mapping = modeling_utils.AttentionInterface._global_mapping
     sdpa = mapping["sdpa"]
     if getattr(sdpa, "_hf_tpu", False):
@@ -317,6 +321,9 @@ def _install_block_table_sdpa(modeling_utils: Any) -> None:
                                attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
         block_table = kwargs.get("block_table")
         if block_table is None:
+            if (query.device.type == "tpu" and kwargs.get("cu_seq_lens_q") is not None
+                    and attention_mask is not None and attention_mask.is_floating_point()):
+                attention_mask = attention_mask == 0
             return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
         if args or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None \
                 or hasattr(module, "sinks"):

@@ -11,8 +11,10 @@ from :func:`_attend`, the backward as its VJP. Graph mode sees the same two ops 
 (FakeTensors on tpu reach the same kernel) and lowers them from the op table.
 
 Where Pallas kernels are used (TPU chips, see :func:`~hf_tpu.backend.runtime.pallas_kernels`), long
-attention with no mask but ``is_causal`` runs on the Pallas flash-attention kernel, forward and backward
-(:func:`_flash_wins`); XLA's own lowering materializes the ``[L, S]`` logits.
+attention with no mask but ``is_causal`` runs on the Pallas flash-attention kernel, and long attention with a
+boolean mask on the splash kernel, which skips the blocks the mask allows nothing in (a padding mask's padding, the
+other sequences of a batch of packed or continuously batched sequences), forward and backward
+(:func:`_pallas_kernel`); XLA's own lowering materializes the ``[L, S]`` logits.
 
 Dropout takes the math path: the fused op's schema has no input for a random key, so its lowering
 could not draw fresh randomness inside a jitted program. So do ``torch.func`` transforms and forward-mode
@@ -91,15 +93,27 @@ def _logsumexp_shape(logsumexp):
 
 
 _FLASH_MIN_LENGTH = 1024  # a choice, not yet measured on chips: from here on the logits no longer fit the caches
+_MASKED_MIN_QUERIES = 128  # one query block of the masked kernel
 
 
-def _flash_wins(query, key, value, attn_bias) -> bool:
-    """Whether the Pallas flash kernel computes this attention: where Pallas kernels are used, for 4-d float32 or
-    bfloat16 inputs with query and key lengths of at least ``_FLASH_MIN_LENGTH`` and no mask but ``is_causal``
-    (a boolean mask's fully masked rows come out zero from :func:`_attend` and unspecified from the kernel)."""
-    return (attn_bias is None and query.ndim == 4 and query.dtype in (jnp.float32, jnp.bfloat16)
-            and min(query.shape[-2], key.shape[-2]) >= _FLASH_MIN_LENGTH and value.shape[-1] == query.shape[-1]
-            and runtime.pallas_kernels())
+def _pallas_kernel(query, key, value, attn_bias) -> str | None:
+    """The Pallas kernel that computes this attention, if any: where Pallas kernels are used, for 4-d float32 or
+    bfloat16 inputs, ``"flash"`` (the flash kernel) with no mask but ``is_causal`` and query and key lengths of at
+    least ``_FLASH_MIN_LENGTH``; ``"masked"`` (the splash kernel, which skips the blocks the mask allows nothing in)
+    with a boolean mask, ``_MASKED_MIN_QUERIES`` queries and ``_FLASH_MIN_LENGTH`` keys or more. (A boolean mask's
+    fully masked rows come out zero from :func:`_attend` and the masked kernel, unspecified from the flash kernel.)"""
+    if not (query.ndim == 4 and query.dtype in (jnp.float32, jnp.bfloat16) and value.shape[-1] == query.shape[-1]
+            and key.shape[-2] >= _FLASH_MIN_LENGTH and runtime.pallas_kernels()):
+        return None
+    if attn_bias is None:
+        return "flash" if query.shape[-2] >= _FLASH_MIN_LENGTH else None
+    return "masked" if attn_bias.dtype == jnp.bool_ and query.shape[-2] >= _MASKED_MIN_QUERIES else None
+
+
+def _four_dims(mask, query, key):
+    """A mask that broadcasts to ``[B, Hq, L, S]`` as ``[1 | B, 1 | Hq, L, S]``, as the masked kernel takes it."""
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    return jnp.broadcast_to(mask, mask.shape[:2] + (query.shape[-2], key.shape[-2]))
 
 
 _FUSED = "_scaled_dot_product_fused_attention_overrideable"
@@ -114,10 +128,13 @@ def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=
         raise NotImplementedError(
             f"aten::{_FUSED}: dropout_p > 0 is not lowered on tpu (scaled_dot_product_attention routes it to the "
             "math path)")
-    if _flash_wins(query, key, value, attn_bias):
+    kernel = _pallas_kernel(query, key, value, attn_bias)
+    if kernel is not None:
         from ...kernels import pallas
-
+    if kernel == "flash":
         out, logsumexp = pallas.flash_attention_with_logsumexp(query, key, value, causal=is_causal, scale=scale)
+    elif kernel == "masked":
+        out, logsumexp = pallas.masked_attention(query, key, value, _four_dims(attn_bias, query, key), scale=scale)
     else:
         out, logsumexp = _attend(query, key, value, attn_bias, is_causal, scale)
     zero = jnp.zeros((), jnp.int64)
@@ -156,13 +173,19 @@ def fused_attention_kernel(query, key, value, attn_bias=None, dropout_p=0.0, is_
 def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, cum_seq_q,
                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
     """Gradients of query, key, value and (if it is floating point) the additive bias, as the VJP of the forward
-    (with the flash kernel's own backward kernels where :func:`_flash_wins`)."""
+    (with the Pallas kernels' own backward kernels where :func:`_pallas_kernel` picks one: the masked kernel's from
+    the forward's output and logsumexp)."""
     differentiable_bias = attn_bias is not None and jnp.issubdtype(attn_bias.dtype, jnp.floating)
+    kernel = _pallas_kernel(query, key, value, attn_bias)
+    if kernel is not None:
+        from ...kernels import pallas
+    if kernel == "masked":
+        wanted = (*pallas.masked_attention_backward(query, key, value, out, logsumexp, grad_out.astype(query.dtype),
+                                                    _four_dims(attn_bias, query, key), scale=scale), None)
+        return tuple(g if keep else None for g, keep in zip(wanted, grad_input_mask))
 
     def forward(q, k, v, b):
-        if _flash_wins(q, k, v, attn_bias):
-            from ...kernels import pallas
-
+        if kernel == "flash":
             return pallas.flash_attention(q, k, v, causal=is_causal, scale=scale)
         return _attend(q, k, v, b if differentiable_bias else attn_bias, is_causal, scale)[0]
 
