@@ -88,6 +88,8 @@ BENCHMARKS = [
     # --skip-inductor: as decode
     Benchmark("moe_decode", ("--skip-inductor",), ("--skip-inductor", "--repeats", "2"), timeout=900),
     Benchmark("attention", quick=("--seq", "256", "--repeats", "2"), timeout=600),
+    Benchmark("attention_documents", ("--documents", "8", "--backward"), ("--documents", "4", "--seq", "256",
+              "--repeats", "2"), timeout=600, script="attention.py"),
     Benchmark("collectives", quick=("--sizes", "4,1024", "--repeats", "1"), timeout=600),
     Benchmark("tensor_parallel", quick=("--quick",), timeout=1200),
     Benchmark("sharding", quick=("--tp", "1,2", "--repeats", "1", "--op-repeats", "3"), timeout=900),
