@@ -115,20 +115,22 @@ def _causal_per_example_and_head(documents):
     return lambda b, h, q_index, kv_index: (q_index >= kv_index) & ((kv_index + h + b) % 3 != 0)
 
 
-# each mask_mod and the examples and heads of the mask it makes: only those it reads
-SPLASH_MASKS = {"causal_documents": (_causal_documents, (1, 1)),
-                "documents_per_example": (_causal_documents_per_example, (BATCH, 1)),
-                "per_example_and_head": (_causal_per_example_and_head, (BATCH, HEADS))}
+# each mask_mod, the examples and heads of the mask it makes (only those it reads), and a soft cap of the scores
+SPLASH_CASES = {"causal_documents": (_causal_documents, (1, 1), None),
+                "documents_per_example": (_causal_documents_per_example, (BATCH, 1), None),
+                "per_example_and_head": (_causal_per_example_and_head, (BATCH, HEADS), None),
+                "soft_capped": (_causal_documents, (1, 1), 0.5)}
 
 
-@pytest.mark.parametrize("mask_mod, mask_examples_and_heads", SPLASH_MASKS.values(), ids=SPLASH_MASKS.keys())
+@pytest.mark.parametrize("mask_mod, mask_examples_and_heads, soft_cap", SPLASH_CASES.values(),
+                         ids=SPLASH_CASES.keys())
 def test_compiled_flex_attention_runs_the_splash_kernel_where_pallas_kernels_are_used(mask_mod, mask_examples_and_heads,
-                                                                                      monkeypatch):
-    """HF_TPU_PALLAS=1 takes the TPU chips' path here: a compiled FlexAttention without a score modification runs
-    JAX's splash-attention kernel (interpreted) forward and backward, one program each, and its output and gradients
-    equal a dense attention's on CPU, with grouped key/value heads, a mask reading a captured tensor, the example or
-    the head, and a row with no key to attend (zeros, as FlexAttention gives). The mask has one example or head
-where the mask_mod reads none."""
+                                                                                      soft_cap, monkeypatch):
+    """HF_TPU_PALLAS=1 takes the TPU chips' path here: a compiled FlexAttention without a score modification, or
+    soft-capping its scores as transformers' Gemma 2 does, runs JAX's splash-attention kernel (interpreted) forward
+    and backward, one program each, and its output and gradients equal a dense attention's on CPU, with grouped
+    key/value heads, a mask reading a captured tensor, the example or the head, and a row with no key to attend
+    (zeros, as FlexAttention gives). The mask has one example or head where the mask_mod reads none."""
     from hf_tpu.kernels import pallas
 
     masks, kernel = [], pallas.masked_attention
@@ -142,14 +144,18 @@ where the mask_mod reads none."""
     weights = torch.randn(BATCH, HEADS, SPLASH_LENGTH, DIM, generator=generator)
     block_mask = create_block_mask(mask_mod(DOCUMENTS.to("tpu")), BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH,
                                    device="tpu")
-    flex = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True))
+    score_mod = None if soft_cap is None else (lambda score, b, h, q, kv: soft_cap * torch.tanh(score / soft_cap))
+    flex = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                        enable_gqa=True))
     indices = torch.meshgrid(*(torch.arange(n) for n in (BATCH, HEADS, SPLASH_LENGTH, SPLASH_LENGTH)), indexing="ij")
     allowed = mask_mod(DOCUMENTS)(*indices)
 
     def dense(query, key, value):
         key, value = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (key, value))
-        scores = (query @ key.transpose(-1, -2) / DIM ** 0.5).masked_fill(~allowed, -torch.inf)
-        return torch._safe_softmax(scores, -1) @ value
+        scores = query @ key.transpose(-1, -2) / DIM ** 0.5
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        return torch._safe_softmax(scores.masked_fill(~allowed, -torch.inf), -1) @ value
 
     def outputs_and_gradients(attention, device):
         tensors = [t.to(device).requires_grad_() for t in inputs]
@@ -206,9 +212,9 @@ def test_flex_attention_with_a_score_modification_keeps_the_dense_expansion_wher
 @pytest.mark.parametrize("device", ["cpu", "tpu"])
 def test_the_splash_kernels_ops_run_op_by_op_as_a_graph_falling_back_runs_them(device):
     """The graph ops the splash path puts in a graph (``hf_tpu::masked_attention`` and its backward) also run op by
-    op, on any device: output, base-2 logsumexp and gradients as autograd gives for a dense attention, a row with
-    no key to attend included (zeros, ``-inf``)."""
-    import hf_tpu.compile.flex_attention  # noqa: F401  (defines the ops)
+    op, on any device: output, base-2 logsumexp and gradients as autograd gives for a dense attention with
+    soft-capped scores, a row with no key to attend included (zeros, ``-inf``)."""
+    import hf_tpu.compile.masked_attention  # noqa: F401  (defines the ops)
 
     generator = torch.Generator().manual_seed(1)
     query = torch.randn(BATCH, HEADS, 20, DIM, generator=generator)
@@ -219,18 +225,18 @@ def test_the_splash_kernels_ops_run_op_by_op_as_a_graph_falling_back_runs_them(d
 
     def dense(query, key, value):
         key, value = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (key, value))
-        scores = (query @ key.transpose(-1, -2) * 0.3).masked_fill(~mask, -torch.inf)
+        scores = (0.5 * torch.tanh(query @ key.transpose(-1, -2) * 0.3 / 0.5)).masked_fill(~mask, -torch.inf)
         return torch._safe_softmax(scores, -1) @ value, scores.logsumexp(-1)
 
     leaves = [t.clone().requires_grad_() for t in (query, key, value)]
     expected_out, expected_logsumexp = dense(*leaves)
     expected_out.backward(grad_out)
     on_device = [t.to(device) for t in (query, key, value, mask)]
-    out, logsumexp = torch.ops.hf_tpu.masked_attention(*on_device, 0.3)
+    out, logsumexp = torch.ops.hf_tpu.masked_attention(*on_device, 0.3, 0.5)
     torch.testing.assert_close(out.cpu(), expected_out.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logsumexp.cpu() * math.log(2), expected_logsumexp.detach(), rtol=1e-5, atol=1e-5)
     assert out[0, 1, 3].eq(0).all() and logsumexp[0, 1, 3].isneginf()
     gradients = torch.ops.hf_tpu.masked_attention_backward(*on_device[:3], out, logsumexp, grad_out.to(device),
-                                                           on_device[3], 0.3)
+                                                           on_device[3], 0.3, 0.5)
     for gradient, leaf in zip(gradients, leaves):
         torch.testing.assert_close(gradient.cpu(), leaf.grad, rtol=1e-5, atol=1e-5)

@@ -154,11 +154,12 @@ MASKED_ATTENTION_MASKS = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
 def test_masked_attention_values_and_gradients(dtype: Any, mask: Callable[[int, int], jax.Array]) -> None:
     """Output, logsumexp and gradients (the backward given the forward's output and logsumexp) of the splash kernel
-    equal dense attention's, with grouped heads and sequences that are not whole blocks."""
+    equal dense attention's, with grouped heads and sequences that are not whole blocks (soft-capped logits with
+    the mask per head: a cap of 0.5 changes every weight)."""
     q, k, v = attention_inputs(dtype, q_len=200, kv_len=330)
-    mask, scale = mask(200, 330), 0.3
-    out, logsumexp = pallas.masked_attention(q, k, v, mask, scale=scale)
-    expected_out, expected_logsumexp = references.masked_attention_reference(q, k, v, mask, scale=scale)
+    mask, options = mask(200, 330), {"scale": 0.3, "soft_cap": 0.5 if mask is _per_head else None}
+    out, logsumexp = pallas.masked_attention(q, k, v, mask, **options)
+    expected_out, expected_logsumexp = references.masked_attention_reference(q, k, v, mask, **options)
     assert_close(out, expected_out, dtype)
     allowed = jnp.any(mask, axis=-1) & jnp.ones(logsumexp.shape, bool)
     assert bool(jnp.all(jnp.isneginf(logsumexp) == ~allowed))
@@ -166,8 +167,8 @@ def test_masked_attention_values_and_gradients(dtype: Any, mask: Callable[[int, 
                                atol=TOLERANCE[dtype] * 10)
 
     cotangent = random(4, out.shape, dtype)
-    actual = pallas.masked_attention_backward(q, k, v, out, logsumexp, cotangent, mask, scale=scale)
-    _, pullback = jax.vjp(lambda *a: references.masked_attention_reference(*a, mask, scale=scale)[0], q, k, v)
+    actual = pallas.masked_attention_backward(q, k, v, out, logsumexp, cotangent, mask, **options)
+    _, pullback = jax.vjp(lambda *a: references.masked_attention_reference(*a, mask, **options)[0], q, k, v)
     for a, e in zip(actual, pullback(cotangent)):
         assert_close(a, e, dtype)
 

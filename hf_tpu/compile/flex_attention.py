@@ -10,17 +10,16 @@ them into the score computation). A graph with symbolic sizes (Dynamo's recompil
 traced with them: its integer inputs are the expansion's too. Expanded so, the block mask's sparsity is not used:
 masked blocks are computed and masked.
 
-Where Pallas kernels are used (TPU chips; ``HF_TPU_PALLAS=1``), an operator without a score modification, in float32
-or bfloat16, is expanded instead into its mask (``mask_mod`` over every query and key, once for
-each example or head only where it reads them) and JAX's splash-attention kernel
-(:func:`hf_tpu.kernels.pallas.masked_attention`), which skips the 128 x 128 blocks the mask allows nothing in: the
-forward keeps its logsumexp for the backward, whose kernels do not compute the forward again.
+Where Pallas kernels are used (TPU chips; ``HF_TPU_PALLAS=1``), an operator without a score modification (or with
+soft-capping only), in float32 or bfloat16, is expanded instead into its mask (``mask_mod`` over every query and
+key, once for each example or head only where it reads them) and JAX's splash-attention kernel
+(:mod:`.masked_attention`'s ops), which skips the 128 x 128 blocks the mask allows nothing in: the forward keeps its
+logsumexp for the backward, whose kernels do not compute the forward again.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import operator
 from typing import Any
 
@@ -32,8 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from ..backend import runtime
-from ..kernels import pallas
-from .graph_ops import graph_lowering
+from . import masked_attention  # noqa: F401  (defines the ops the kernel's expansion makes)
 
 
 def _implementations() -> dict[Any, tuple[Any, Any, bool]]:
@@ -97,55 +95,6 @@ def _expand_node(graph_module: fx.GraphModule, node: fx.Node, implementation: An
     graph.erase_node(node)
 
 
-_LIBRARY = torch.library.Library("hf_tpu", "FRAGMENT")  # row_updates defines ops of this namespace too
-_LIBRARY.define("masked_attention(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) "
-                "-> (Tensor, Tensor)")
-_LIBRARY.define("masked_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
-                "Tensor grad_out, Tensor mask, float scale) -> (Tensor, Tensor, Tensor)")
-
-
-def _dense_scores(query, key, value, mask, scale):
-    group = query.size(1) // key.size(1)
-    key, value = (t.repeat_interleave(group, dim=1).float() for t in (key, value))
-    return (query.float() @ key.transpose(-1, -2) * scale).masked_fill(~mask, -math.inf), key, value
-
-
-def _masked_attention_by_ops(query, key, value, mask, scale):
-    scores, _, value = _dense_scores(query, key, value, mask, scale)
-    return (torch._safe_softmax(scores, -1) @ value).to(query.dtype), scores.logsumexp(-1) / math.log(2)
-
-
-def _masked_attention_backward_by_ops(query, key, value, out, logsumexp, grad_out, mask, scale):
-    scores, expanded_key, expanded_value = _dense_scores(query, key, value, mask, scale)
-    weights = torch.exp(scores - (logsumexp * math.log(2)).nan_to_num(neginf=0.0)[..., None])
-    grad_out = grad_out.float()
-    grad_scores = weights * (grad_out @ expanded_value.transpose(-1, -2) - (out.float() * grad_out).sum(-1, True))
-    grouped = (*key.shape[:2], query.size(1) // key.size(1), *key.shape[2:])
-    grad_key = (grad_scores.transpose(-1, -2) @ query.float() * scale).reshape(grouped).sum(2)
-    grad_value = (weights.transpose(-1, -2) @ grad_out).reshape(grouped[:-1] + (value.size(-1),)).sum(2)
-    return (grad_scores @ expanded_key * scale).to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
-
-
-# torch ops, so that a graph holding them still runs op by op (a graph that falls back to eager mode) and traces
-_LIBRARY.impl("masked_attention", _masked_attention_by_ops, "CompositeExplicitAutograd")
-_LIBRARY.impl("masked_attention_backward", _masked_attention_backward_by_ops, "CompositeExplicitAutograd")
-
-
-@graph_lowering("hf_tpu::masked_attention")
-def masked_attention(query, key, value, mask, scale):
-    """Attention where the boolean ``mask`` allows it (:func:`hf_tpu.kernels.pallas.masked_attention`) and the
-    logsumexp of each query row in base 2, as FlexAttention's operator keeps it."""
-    out, logsumexp = pallas.masked_attention(query, key, value, mask, scale=scale)
-    return out, logsumexp / math.log(2)
-
-
-@graph_lowering("hf_tpu::masked_attention_backward")
-def masked_attention_backward(query, key, value, out, logsumexp, grad_out, mask, scale):
-    """The gradients of :func:`masked_attention`'s output in its query, key and value, from its results."""
-    return pallas.masked_attention_backward(query, key, value, out, logsumexp * math.log(2), grad_out, mask,
-                                            scale=scale)
-
-
 def _mask(query: torch.Tensor, key: torch.Tensor, block_mask: tuple, buffers: tuple) -> torch.Tensor:
     """``mask_mod`` at every query and key, ``[B | 1, Hq | 1, Q, K]``: one example or head where it reads none."""
     vmap_for_bhqkv = importlib.import_module("torch.nn.attention.flex_attention")._vmap_for_bhqkv
@@ -158,32 +107,53 @@ def _mask(query: torch.Tensor, key: torch.Tensor, block_mask: tuple, buffers: tu
         return vmap_for_bhqkv(mask_mod, prefix=(), suffix=(None,) * len(buffers))(*indices, *buffers)
 
 
+def _kernel_score_modification(score_mod: fx.GraphModule) -> tuple[bool, float | None]:
+    """Whether the kernel computes the score modification ``score_mod`` (a graph of ATen ops), and its soft cap:
+    none for the score itself, ``c`` for ``c * tanh(score / c)`` (Gemma 2's soft-capping, as transformers writes
+    it)."""
+    score = next(node for node in score_mod.graph.nodes if node.op == "placeholder")
+    result = next(node for node in score_mod.graph.nodes if node.op == "output").args[0]
+    if result is score:
+        return True, None
+    if not (isinstance(result, fx.Node) and result.target is torch.ops.aten.mul.Tensor):
+        return False, None
+    tanh, cap = result.args if isinstance(result.args[1], float) else result.args[::-1]
+    if not (isinstance(cap, float) and isinstance(tanh, fx.Node) and tanh.target is torch.ops.aten.tanh.default):
+        return False, None
+    inner = tanh.args[0]
+    capped = (isinstance(inner, fx.Node) and inner.target is torch.ops.aten.div.Tensor and inner.args[0] is score
+              and inner.args[1] == cap)
+    return capped, cap if capped else None
+
+
 def _masked_forward(query, key, value, score_mod, block_mask, scale, kernel_options, score_mod_other_buffers=(),
                     mask_mod_other_buffers=()) -> tuple:
     """``sdpa_dense``'s signature and results, less the row maxima (no user: :func:`_kernel_serves`)."""
     mask = _mask(query, key, block_mask, mask_mod_other_buffers)
-    out, logsumexp = torch.ops.hf_tpu.masked_attention(query, key, value, mask, scale)
+    soft_cap = _kernel_score_modification(score_mod)[1]
+    out, logsumexp = torch.ops.hf_tpu.masked_attention(query, key, value, mask, scale, soft_cap)
     return out, logsumexp, None
 
 
 def _masked_backward(query, key, value, out, logsumexp, grad_out, grad_logsumexp, fw_graph, joint_graph, block_mask,
                      scale, kernel_options, score_mod_other_buffers, mask_mod_other_buffers) -> tuple:
-    """``sdpa_dense_backward``'s signature and results (no score modification, so no gradients of its buffers)."""
+    """``sdpa_dense_backward``'s signature and results (a score modification the kernel computes has no buffers,
+    so no gradients of them)."""
     mask = _mask(query, key, block_mask, mask_mod_other_buffers)
-    gradients = torch.ops.hf_tpu.masked_attention_backward(query, key, value, out, logsumexp, grad_out, mask, scale)
+    soft_cap = _kernel_score_modification(fw_graph)[1]
+    gradients = torch.ops.hf_tpu.masked_attention_backward(query, key, value, out, logsumexp, grad_out, mask, scale,
+                                                           soft_cap)
     return (*gradients, ())
 
 
 def _kernel_serves(graph_module: fx.GraphModule, node: fx.Node, forward: bool) -> bool:
     """Whether the masked-attention kernel computes this FlexAttention node: Pallas kernels in use, no score
-    modification, float32 or bfloat16 inputs of one batch size, and none of the results it lacks used
-    (the forward's row maxima, the backward's gradient of the logsumexp)."""
+    modification but soft-capping, float32 or bfloat16 inputs of one batch size, and none of the results it lacks
+    used (the forward's row maxima, the backward's gradient of the logsumexp)."""
     if not runtime.pallas_kernels():
         return False
     score_mod = graph_module.get_submodule(node.args[3 if forward else 7].target)
-    score, *_ = [inner for inner in score_mod.graph.nodes if inner.op == "placeholder"]
-    output = next(inner for inner in score_mod.graph.nodes if inner.op == "output")
-    if output.args[0] is not score:
+    if not _kernel_score_modification(score_mod)[0]:
         return False
     query, key, value = (node.args[index].meta["val"] for index in range(3))
     if query.dtype not in (torch.float32, torch.bfloat16) or not query.dtype == key.dtype == value.dtype:

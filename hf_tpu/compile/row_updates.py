@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .graph_ops import graph_lowering
 
-_LIBRARY = torch.library.Library("hf_tpu", "FRAGMENT")  # flex_attention defines ops of this namespace too
+_LIBRARY = torch.library.Library("hf_tpu", "FRAGMENT")  # masked_attention defines ops of this namespace too
 _LIBRARY.define("row_scatter(Tensor base, Tensor index, Tensor source, SymInt row_numel, SymInt offset) -> Tensor")
 _LIBRARY.define("row_gather(Tensor base, Tensor index, SymInt[] row_shape, SymInt offset) -> Tensor")
 

@@ -48,20 +48,22 @@ def masked_attention(
     mask: jax.Array,
     *,
     scale: float | None = None,
+    soft_cap: float | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention where ``mask`` allows it, and the natural-log logsumexp of each query row's logits.
 
     ``q``: ``[B, Hq, Q, D]``; ``k``: ``[B, Hkv, K, D]``; ``v``: ``[B, Hkv, K, Dv]``, ``Hq`` a multiple of ``Hkv``,
     float32 or bfloat16; ``mask``: bool ``[1 | B, 1 | Hq, Q, K]``, True = attend. ``scale`` defaults to
-    ``1/sqrt(D)``. Returns the output ``[B, Hq, Q, Dv]`` in ``q.dtype`` and the float32 logsumexp ``[B, Hq, Q]``
+    ``1/sqrt(D)``; ``soft_cap`` makes the logits ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2's soft-capping).
+    Returns the output ``[B, Hq, Q, Dv]`` in ``q.dtype`` and the float32 logsumexp ``[B, Hq, Q]``
     of the scaled logits (zeros and ``-inf`` in rows the mask allows no key). Not differentiable by JAX: its
     backward is :func:`masked_attention_backward`. ``interpret``: see ``interpret_unless_on_tpu``.
     """
     q_len = q.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     padded_q, padded_k, padded_v, padded_mask = _padded(q, k, v, mask)
-    call = _over_the_batch(functools.partial(_forward, scale=scale), mask)
+    call = _over_the_batch(functools.partial(_forward, scale=scale, soft_cap=soft_cap), mask)
     out, logsumexp = interpret_unless_on_tpu(call, interpret)(padded_q, padded_k, padded_v, padded_mask)
     allowed = _rows_allowed(mask)
     out = jnp.where(allowed[..., None], out[:, :, :q_len], 0).astype(q.dtype)
@@ -78,6 +80,7 @@ def masked_attention_backward(
     mask: jax.Array,
     *,
     scale: float | None = None,
+    soft_cap: float | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The gradients of :func:`masked_attention`'s output in ``q``, ``k`` and ``v``, given its output and logsumexp
@@ -89,7 +92,7 @@ def masked_attention_backward(
     padded_q, padded_k, padded_v, padded_mask = _padded(q, k, v, mask)
     rows = padded_q.shape[2]
     out, grad_out, logsumexp = (pad_axis(x, 2, rows) for x in (out, grad_out, logsumexp.astype(jnp.float32)))
-    call = _over_the_batch(functools.partial(_backward, scale=scale), mask)
+    call = _over_the_batch(functools.partial(_backward, scale=scale, soft_cap=soft_cap), mask)
     dq, dk, dv = interpret_unless_on_tpu(call, interpret)(
         padded_q, padded_k, padded_v, out, logsumexp, grad_out, padded_mask)
     return (dq[:, :, :q_len].astype(q.dtype), dk[:, :, :kv_len].astype(k.dtype), dv[:, :, :kv_len].astype(v.dtype))
@@ -126,11 +129,11 @@ def _over_the_batch(fn, mask: jax.Array):
     return folded
 
 
-def _kernel(mask: jax.Array, save_residuals: bool) -> splash_kernel.SplashAttentionKernel:
+def _kernel(mask: jax.Array, save_residuals: bool, soft_cap: float | None) -> splash_kernel.SplashAttentionKernel:
     """The splash kernel for a run-time mask. ``make_splash_mha`` turns every field of its mask information into
     an array, the flag that marks it dynamic included, which it then reads as a Python bool; set back here."""
     kernel = splash.make_splash_mha(mask, block_sizes=_BLOCK_SIZES, head_shards=1, q_seq_shards=1,
-                                    save_residuals=save_residuals)
+                                    save_residuals=save_residuals, attn_logits_soft_cap=soft_cap)
 
     def dynamic(info: splash_kernel.mask_info_lib.MaskInfo) -> splash_kernel.mask_info_lib.MaskInfo:
         return info._replace(is_dynamic_mask=True)
@@ -139,15 +142,16 @@ def _kernel(mask: jax.Array, save_residuals: bool) -> splash_kernel.SplashAttent
         dynamic(kernel.fwd_mask_info), dynamic(kernel.dq_mask_info), dynamic(kernel.dkv_mask_info), **kernel.kwargs)
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float) -> tuple:
-    out, (logsumexp,) = _kernel(mask, save_residuals=True)((q * scale).astype(q.dtype), k, v)
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float,
+             soft_cap: float | None) -> tuple:
+    out, (logsumexp,) = _kernel(mask, True, soft_cap)((q * scale).astype(q.dtype), k, v)
     return out, logsumexp
 
 
-def _backward(q, k, v, out, logsumexp, grad_out, mask, *, scale: float) -> tuple:
+def _backward(q, k, v, out, logsumexp, grad_out, mask, *, scale: float, soft_cap: float | None) -> tuple:
     """The kernel's own backward (``_splash_attention_bwd``, what its ``custom_vjp`` runs) on the forward's
     residuals: ``q`` is scaled as the forward scaled it, so its gradient is scaled once more."""
-    kernel = _kernel(mask, save_residuals=False)
+    kernel = _kernel(mask, False, soft_cap)
     options = kernel.kwargs
 
     def collapsed(info: splash_kernel.mask_info_lib.MaskInfo) -> splash_kernel.mask_info_lib.MaskInfo:

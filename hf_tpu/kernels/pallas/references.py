@@ -48,15 +48,19 @@ def attention_reference(
 
 
 def masked_attention_reference(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None,
+    soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Dense attention under a boolean mask and the logsumexp of each row's logits; rows the mask allows no key give
-    zeros and ``-inf``."""
+    """Dense attention under a boolean mask (logits soft-capped by ``soft_cap``) and the logsumexp of each row's
+    logits; rows the mask allows no key give zeros and ``-inf``."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
     scale = head_dim**-0.5 if scale is None else scale
     k = jnp.repeat(k, heads // kv_heads, axis=1).astype(jnp.float32)
     v = jnp.repeat(v, heads // kv_heads, axis=1).astype(jnp.float32)
-    logits = jnp.where(mask, jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k) * scale, -jnp.inf)
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k) * scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(mask, logits, -jnp.inf)
     logsumexp = jax.nn.logsumexp(logits, axis=-1)
     allowed = jnp.any(mask, axis=-1)
     weights = jnp.exp(logits - jnp.where(allowed, logsumexp, 0.0)[..., None])
