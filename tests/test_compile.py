@@ -285,6 +285,29 @@ def test_a_cpu_tensor_updated_in_place_by_a_compiled_graph_is_written_on_the_cpu
         torch.testing.assert_close(result.cpu(), expected)
 
 
+def test_a_host_tensor_made_in_a_graph_crosses_a_graph_break(monkeypatch):
+    """A tensor the traced code makes on the host from constants (Gemma's ``torch.tensor(hidden_size ** 0.5)``
+    scale) and still needs after a graph break is an output of the graph before it: that graph is still one program
+    (none op by op), the tensor comes back on the host, a copy of its own at each call, and the results are CPU's."""
+    monkeypatch.setenv("HF_TPU_STRICT_COMPILE", "1")
+
+    def scaled(x):
+        scale = torch.tensor(2.0, dtype=x.dtype)
+        y = x * scale
+        torch._dynamo.graph_break()
+        return y + scale, scale
+
+    compiled = torch.compile(scaled, backend="tpu")
+    x = torch.arange(3.0)
+    before = compile_stats()
+    for _ in range(2):
+        result, scale = compiled(x.to("tpu"))
+        assert scale.device.type == "cpu" and float(scale) == 2.0
+        torch.testing.assert_close(result.cpu(), scaled(x)[0])
+        scale.add_(1)  # the caller's own copy
+    assert compile_stats()["fallbacks"] == before["fallbacks"]
+
+
 def _tail_of(tensor, start):
     return tensor[start:]
 

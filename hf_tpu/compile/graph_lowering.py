@@ -27,7 +27,9 @@ import torch
 from torch import fx
 from torch._decomp import decomposition_table
 from torch._library.fake_class_registry import FakeScriptObject
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
 
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage, tpu_lowering
 from ..backend.ops.memory import to_device
@@ -284,7 +286,7 @@ class _Positions:
             -> None:
         shaped = set()
         for node in graph_module.graph.nodes:
-            for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            for value in pytree.tree_leaves(node.meta.get("val")):
                 if isinstance(value, torch.Tensor):
                     for size in value.shape:
                         shaped |= _symbols(size)
@@ -310,6 +312,47 @@ class _Positions:
         """The returned sizes worked out from the positions of a call."""
         values = {symbol: call_values[slot] for symbol, slot in self._named.items()}
         return {node: int(expression.xreplace(values)) for node, expression in self.computed.items()}
+
+
+_NOT_CONSTANT = object()
+
+
+def _on_host(node: fx.Node) -> bool:
+    return all(value.device.type == "cpu" for value in pytree.tree_leaves(node.meta.get("val"))
+               if isinstance(value, torch.Tensor))
+
+
+def _from_constants(graph_module: fx.GraphModule, node: Any, values: dict) -> Any:
+    """The value of ``node`` if it is computed on the host from the graph's constants alone (no input, no tensor
+    on tpu), else ``_NOT_CONSTANT``; ``values`` holds those already worked out."""
+    if not isinstance(node, fx.Node):
+        return node
+    if node not in values:
+        if node.op == "get_attr":
+            values[node] = getattr(graph_module, node.target)
+        elif node.op == "call_function" and _on_host(node):
+            args, kwargs = pytree.tree_map_only(fx.Node, lambda n: _from_constants(graph_module, n, values),
+                                                (node.args, node.kwargs))
+            constant = all(leaf is not _NOT_CONSTANT for leaf in pytree.tree_leaves((args, kwargs)))
+            values[node] = node.target(*args, **kwargs) if constant else _NOT_CONSTANT
+        else:
+            values[node] = _NOT_CONSTANT
+    return values[node]
+
+
+def _host_outputs(graph_module: fx.GraphModule, outputs: list[fx.Node]) -> dict[fx.Node, torch.Tensor]:
+    """The tensor outputs on the host computed from the graph's constants alone: a tensor the traced code made on
+    the host (transformers' Gemma scales its embeddings by ``torch.tensor(hidden_size ** 0.5)``) and returns to the
+    code after a graph break. Worked out once; each call returns a copy."""
+    host, values = {}, {}
+    for node in outputs:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            with unset_fake_temporarily():  # graphs are lowered while Dynamo's fake mode is on
+                value = _from_constants(graph_module, node, values)
+                if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                    host[node] = value.detach().clone()
+    return host
 
 
 def _check_on_device(node: fx.Node) -> None:
@@ -352,7 +395,9 @@ class CompiledGraph:
         output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self._outputs = list(output.args[0])
         self._size_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and _is_size(n)]
-        self._tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and not _is_size(n)]
+        tensor_outputs = [n for n in self._outputs if isinstance(n, fx.Node) and not _is_size(n)]
+        self._host_outputs = _host_outputs(graph_module, tensor_outputs)
+        self._tensor_outputs = [n for n in tensor_outputs if n not in self._host_outputs]
         self._traced_sizes: tuple = ()
         self._size_inputs = {node: slot for slot, node in enumerate(self._static_nodes) if node in self._size_outputs}
         self._positions = _Positions(graph_module, self._static_nodes, self._size_outputs)
@@ -539,6 +584,7 @@ class CompiledGraph:
         results = iter(results)
         values = dict(zip(self._size_outputs, sizes))
         values.update((node, call_values[slot]) for node, slot in self._size_inputs.items())
+        values.update((node, value.clone()) for node, value in self._host_outputs.items())
         if self._position_slots and self._positions.computed:
             values.update(self._positions.sizes(call_values))
         return [values[o] if o in values else next(results) if isinstance(o, fx.Node) else o for o in self._outputs]
