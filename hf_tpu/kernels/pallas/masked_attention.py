@@ -4,8 +4,9 @@
 splash-attention kernels (``jax.experimental.pallas.ops.tpu.splash_attention``) given the mask at run time: the
 kernel splits the mask into 128 x 128 blocks, skips the blocks it allows nothing in, computes the blocks it allows
 everything in unmasked, and masks only the others. A causal mask thus costs half a dense attention, a document mask
-(packed sequences) or a sliding window less still. It is FlexAttention's lowering where Pallas kernels are used
-(:mod:`hf_tpu.compile.flex_attention`: the mask is ``mask_mod`` evaluated over every query and key).
+(packed sequences) or a sliding window less still. Where Pallas kernels are used it computes FlexAttention
+(:mod:`hf_tpu.compile.flex_attention`: the mask is ``mask_mod`` evaluated over every query and key) and
+``scaled_dot_product_attention`` with a long boolean mask (:mod:`hf_tpu.backend.ops.attention`).
 
 The forward returns the logsumexp of each query row; ``masked_attention_backward`` takes it back with the output,
 as a training step's backward program gets them from its forward program, and runs the kernel's backward (the
