@@ -95,7 +95,7 @@ def test_transformers_flex_attention_on_tpu_gives_cpus_logits():
         torch.testing.assert_close(tpu_model(tokens.to("tpu")).logits.cpu(), expected, rtol=1e-4, atol=1e-4)
 
 
-SPLASH_LENGTH = 300  # not a whole number of the kernel's 128-blocks
+SPLASH_LENGTH = 200  # not a whole number of the kernel's 128-blocks
 # documents of 100 tokens in example 0 and of 60 in example 1, packed
 DOCUMENTS = torch.arange(SPLASH_LENGTH)[None, :] // torch.tensor([[100], [60]])
 
@@ -192,11 +192,11 @@ def test_a_new_batch_size_runs_the_splash_kernel_with_symbolic_sizes(monkeypatch
     def causal(query, key, value):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
 
-    for batch in (4, 3, 2):  # 3 and 2 (at least) on one graph of a symbolic batch size
+    for batch in (3, 2):  # 2 (at least) on a graph of a symbolic batch size
         on_tpu = _gradients(lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True), "tpu", batch)
         for result, reference in zip(on_tpu, _gradients(causal, "cpu", batch)):
             torch.testing.assert_close(result, reference, rtol=1e-4, atol=1e-4)
-    assert batches == [4, 3, 2]
+    assert batches == [3, 2]
     assert any(symbolic)
 
 

@@ -150,8 +150,12 @@ MASKED_ATTENTION_MASKS = {
 }
 
 
-@pytest.mark.parametrize("mask", MASKED_ATTENTION_MASKS.values(), ids=MASKED_ATTENTION_MASKS.keys())
-@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype, mask",
+    [*((jnp.float32, mask) for mask in MASKED_ATTENTION_MASKS.values()),
+     (jnp.bfloat16, MASKED_ATTENTION_MASKS["per_example_and_head"])],
+    ids=[*(f"float32-{name}" for name in MASKED_ATTENTION_MASKS), "bfloat16-per_example_and_head"],
+)
 def test_masked_attention_values_and_gradients(dtype: Any, mask: Callable[[int, int], jax.Array]) -> None:
     """Output, logsumexp and gradients (the backward given the forward's output and logsumexp) of the splash kernel
     equal dense attention's, with grouped heads and sequences that are not whole blocks (soft-capped logits with
