@@ -29,6 +29,22 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return int(chosen) if chosen else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
 
 
+LONGEST_FIRST = ["test_torchtitan.py", "test_tpu_lowering.py", "test_fused_eager_suites.py",
+                 "test_continuous_batching.py", "test_dynamo_precompile.py", "test_tpu_dist_transformers.py",
+                 "test_notebooks.py", "test_opinfo.py", "test_serving.py", "test_sharded_models.py"]
+"""The files that take longest, started first. ``--dist loadfile`` hands whole files to the workers in collection
+order (pyproject sets ``--no-loadscope-reorder``; xdist's own order is by number of tests, which puts the files of a
+few long tests last): a long file started last keeps one worker busy while the other has nothing left to run."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)
+
+
 def to_tpu(value: Any) -> Any:
     """Moves tensors (in nested lists/tuples/dicts) to tpu, keeping requires_grad leaves as leaves."""
     if isinstance(value, torch.Tensor):
