@@ -6,6 +6,7 @@ import contextlib
 import importlib
 import os
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 # Dynamo keeps its profile of which sizes vary on disk, by job id (hf_tpu keeps one, for a second process's warm
@@ -19,6 +20,7 @@ import torch  # noqa: E402
 import hf_tpu  # noqa: F401,E402  (registers the device even where autoload is off)
 
 
+ROOT = Path(__file__).resolve().parent.parent
 MAX_WORKERS = 8
 """``-n auto`` starts one worker per core up to this: each worker holds torch, JAX and the models of its tests, and
 a multi-process test starts up to four processes more. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` sets the number instead."""
@@ -35,6 +37,21 @@ LONGEST_FIRST = ["test_torchtitan.py", "test_tpu_lowering.py", "test_fused_eager
 """The files that take longest, started first. ``--dist loadfile`` hands whole files to the workers in collection
 order (pyproject sets ``--no-loadscope-reorder``; xdist's own order is by number of tests, which puts the files of a
 few long tests last): a long file started last keeps one worker busy while the other has nothing left to run."""
+
+
+SURVEYED_FOR_TPU_LOWERING = ["tests/test_transformers_models.py", "tests/test_transformers_moe.py",
+                             "tests/test_diffusers_models.py", "tests/test_diffusers_pipelines.py"]
+"""The model tests that tests/test_tpu_lowering.py runs in a pytest of its own with every program also lowered for TPU
+chips, failing if any of them fails. A run of the whole suite leaves them to it rather than run them twice; named
+on the command line (or under ``HF_TPU_CHECK_TPU_LOWERING``, as the survey runs them), they run as any file does."""
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    surveyed = {(ROOT / name).resolve() for name in SURVEYED_FOR_TPU_LOWERING}
+    if collection_path.resolve() not in surveyed or os.environ.get("HF_TPU_CHECK_TPU_LOWERING"):
+        return None
+    named = {Path(arg.split("::")[0]).resolve() for arg in config.args}
+    return True if collection_path.resolve() not in named else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
