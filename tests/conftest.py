@@ -46,12 +46,15 @@ chips, failing if any of them fails. A run of the whole suite leaves them to it 
 on the command line (or under ``HF_TPU_CHECK_TPU_LOWERING``, as the survey runs them), they run as any file does."""
 
 
+_SURVEYED_PATHS = frozenset((ROOT / name).resolve() for name in SURVEYED_FOR_TPU_LOWERING)
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    surveyed = {(ROOT / name).resolve() for name in SURVEYED_FOR_TPU_LOWERING}
-    if collection_path.resolve() not in surveyed or os.environ.get("HF_TPU_CHECK_TPU_LOWERING"):
+    path = collection_path.resolve()
+    if path not in _SURVEYED_PATHS or os.environ.get("HF_TPU_CHECK_TPU_LOWERING"):
         return None
     named = {Path(arg.split("::")[0]).resolve() for arg in config.args}
-    return True if collection_path.resolve() not in named else None
+    return path not in named or None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,16 +12,14 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import torch
 
-from conftest import SURVEYED_FOR_TPU_LOWERING
+from conftest import ROOT, SURVEYED_FOR_TPU_LOWERING
 from hf_tpu.backend import dtypes, runtime, tpu_lowering
 
-ROOT = Path(__file__).resolve().parent.parent
 runtime.jax_module()  # JAX configured as the device uses it (64-bit types on)
 
 
