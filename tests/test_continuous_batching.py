@@ -140,6 +140,31 @@ def test_continuous_batching_compiles_a_bounded_number_of_programs_and_gives_cpu
     assert compile_stats()["compilations"] - before["compilations"] <= 1 * 5
 
 
+def test_a_model_with_sliding_and_full_attention_layers_gives_cpus_tokens(monkeypatch):
+    # Gemma 2 alternates sliding-window and full attention: two allocators, each viewing the cache's bytes as floats;
+    # a step writing both views in one graph failed in AOTAutograd (views of two bases of one storage)
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                          max_position_embeddings=256, pad_token_id=0, initializer_range=0.5)
+    model = Gemma2ForCausalLM(config).eval()
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    prompts = [torch.randint(3, 120, (length,)).tolist() for length in (5, 37, 3, 20)]
+    expected = _generate_batch(model, prompts)
+    caches, init = [], PagedAttentionCache.__init__
+    monkeypatch.setattr(PagedAttentionCache, "__init__", lambda self, *args, **kwargs: (
+        caches.append(self), init(self, *args, **kwargs))[1])
+
+    tokens = _generate_batch(model.to("tpu"), prompts)
+
+    assert tokens == expected and all(len(t) == 6 for t in tokens)
+    views = [view for allocator in caches[0].cache_allocators.values()
+             for pair in allocator._kv_token_views.values() for view in pair]
+    assert len(views) == 4 and len({id(view._base) for view in views}) == 1
+
+
 def test_a_tpu_caches_tensors_are_static_inputs_of_the_steps():
     config = tiny_llama().config
     cb_config = resolve_continuous_batching_config(config=config, cb_config=ContinuousBatchingConfig(num_blocks=4),
