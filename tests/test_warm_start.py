@@ -163,15 +163,16 @@ def test_entries_are_kept_unless_the_cache_is_off(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
 def test_saved_graphs_keep_each_node_value_shape_strides_and_dtype(tracing_mode: str) -> None:
-    """Fixed-size values are saved as their layout and made again as empty fake tensors; symbolic ones the
-    way torch's GraphPickler saves them."""
+    """Values are saved as their layout (symbolic sizes as torch's GraphPickler saves them) and made again as
+    empty fake tensors; a value of a size read from a tensor (``nonzero``'s) the way torch saves it."""
     from torch._subclasses import FakeTensorMode
     from torch.fx._graph_pickler import Options
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (x.t() * 2).sum(0), x[1:], x.t().contiguous().to(torch.float64)
+        data_dependent = (x.nonzero(),) if tracing_mode == "symbolic" else ()
+        return (x.t() * 2).sum(0), x[1:], x.t().contiguous().to(torch.float64), *data_dependent
 
     saved = make_fx(f, tracing_mode=tracing_mode)(torch.randn(4, 3))
     options = Options(ops_filter=None, node_metadata_key_filter={"val"}.__contains__)

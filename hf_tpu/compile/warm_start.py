@@ -31,6 +31,7 @@ import torch._functorch.config
 from torch._functorch._aot_autograd import autograd_cache
 from torch._inductor.output_code import OutputCode
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._mode_utils import no_dispatch
 
 from ..backend import runtime
@@ -194,11 +195,15 @@ def _pickler() -> type:
 
 
 def _described_by_layout(fake: FakeTensor) -> bool:
-    """Whether a node's value is all graph mode reads of it, its shape, strides and dtype, fixed: then it is kept
-    as those and made again as an empty fake tensor (:func:`_fake_tensor`). torch's own description of a fake
-    tensor (views, bases, symbolic sizes) takes about a millisecond per node to rebuild, most of a loaded
-    entry's time; a symbolic size keeps it."""
-    return fake.layout == torch.strided and all(isinstance(n, int) for n in (*fake.shape, *fake.stride()))
+    """Whether a node's value is all graph mode reads of it, its shape, strides and dtype: then it is kept as those
+    (a symbolic size as torch's pickler keeps one, its expression in the loader's shape environment) and made again
+    as an empty fake tensor (:func:`_fake_tensor`). torch's own description of a fake tensor (views, bases) takes
+    about a millisecond per node to rebuild, most of a loaded entry's time (0.75-0.99 s of a restarted
+    ``benchmarks/continuous_batching.py`` run's two symbolic-size graphs, 0.35-0.37 s as layouts). A size read
+    from a tensor (an unbacked symbol) keeps torch's description."""
+    sizes = (*fake.shape, *fake.stride())
+    return fake.layout == torch.strided and all(isinstance(n, (int, torch.SymInt)) for n in sizes) \
+        and not free_unbacked_symbols(fake)
 
 
 def _fake_tensor(shape: tuple, stride: tuple, dtype: torch.dtype, device: str, requires_grad: bool,
