@@ -27,9 +27,9 @@ from hf_tpu.integrations import continuous_batching, traced_by_dynamo
 MiB = 1 << 20
 
 
-def _cache_bytes(model: torch.nn.Module, device: str, **settings) -> int:
-    """The bytes of the paged cache continuous batching makes for ``model`` on ``device``, resolved as
-    ``generate_batch`` resolves it."""
+def _cache_made_for(model: torch.nn.Module, device: str, **settings) -> PagedAttentionCache:
+    """The paged cache continuous batching makes for ``model`` on ``device``, resolved as ``generate_batch``
+    resolves it."""
     config = model.config.get_text_config()
     cb_config = resolve_continuous_batching_config(config=config, cb_config=ContinuousBatchingConfig(**settings),
                                                    workload_hints=None, has_logit_processors=False,
@@ -37,7 +37,13 @@ def _cache_bytes(model: torch.nn.Module, device: str, **settings) -> int:
     cache = PagedAttentionCache(config=config, continuous_batching_config=cb_config, device=device,
                                 distributed_helper=DistributedHelper(None, None), dtype=torch.float32)
     assert cache.cache_tensor.device.type == torch.device(device).type
-    return cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+    return cache
+
+
+def _cache_bytes(model: torch.nn.Module, device: str, **settings) -> int:
+    """The bytes of :func:`_cache_made_for`."""
+    cache_tensor = _cache_made_for(model, device, **settings).cache_tensor
+    return cache_tensor.numel() * cache_tensor.element_size()
 
 
 def test_a_tpu_cache_is_sized_from_the_chips_free_memory(monkeypatch):
@@ -140,7 +146,7 @@ def test_continuous_batching_compiles_a_bounded_number_of_programs_and_gives_cpu
     assert compile_stats()["compilations"] - before["compilations"] <= 1 * 5
 
 
-def test_a_model_with_sliding_and_full_attention_layers_gives_cpus_tokens(monkeypatch):
+def test_a_model_with_sliding_and_full_attention_layers_gives_cpus_tokens():
     # Gemma 2 alternates sliding-window and full attention: two allocators, each viewing the cache's bytes as floats;
     # a step writing both views in one graph failed in AOTAutograd (views of two bases of one storage)
     from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -153,14 +159,12 @@ def test_a_model_with_sliding_and_full_attention_layers_gives_cpus_tokens(monkey
     assert config.layer_types == ["sliding_attention", "full_attention"]
     prompts = [torch.randint(3, 120, (length,)).tolist() for length in (5, 37, 3, 20)]
     expected = _generate_batch(model, prompts)
-    caches, init = [], PagedAttentionCache.__init__
-    monkeypatch.setattr(PagedAttentionCache, "__init__", lambda self, *args, **kwargs: (
-        caches.append(self), init(self, *args, **kwargs))[1])
 
     tokens = _generate_batch(model.to("tpu"), prompts)
 
     assert tokens == expected and all(len(t) == 6 for t in tokens)
-    views = [view for allocator in caches[0].cache_allocators.values()
+    cache = _cache_made_for(model, "tpu", num_blocks=8, max_batch_tokens=64)  # as _generate_batch's
+    views = [view for allocator in cache.cache_allocators.values()
              for pair in allocator._kv_token_views.values() for view in pair]
     assert len(views) == 4 and len({id(view._base) for view in views}) == 1
 

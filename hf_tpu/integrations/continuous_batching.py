@@ -28,7 +28,8 @@ trace).
 (``torch.compiler.disable``: Inductor does not handle the cache tensor's views), which splits a step at every
 layer. hf_tpu's graph mode lowers the writes into the cache's views, so a tpu cache traces its update and a step
 is one program. The views of a model with several kinds of layers (sliding-window and full attention) are made
-views of one tensor first, which AOTAutograd needs of inputs written in one graph (:func:`_views_on_one_base`).
+views of one tensor first, which AOTAutograd needs of inputs written in one graph
+(:func:`_static_views_on_one_base`).
 
 **Inputs staged on the host.** Each batch's inputs (token ids, positions, sequence lengths, cache indices, the
 attention mask) are written by transformers slice by slice into static tensors, a few dozen writes at offsets that
@@ -135,9 +136,9 @@ def _on_chips() -> bool:
 
 def _install_tpu_paged_cache(cache: Any) -> None:
     """A paged cache made for a tpu device sees its chip's memory (``get_device_and_memory_breakdown``), traces
-    its update into the compiled step with its views on one base (:func:`_views_on_one_base`), keeps its sizes out
-    of the step's symbolic ones (:func:`_mark_static`), and on the decode fast path writes the new tokens into
-    their pages (:func:`write_decode_tokens`; see the module docstring)."""
+    its update into the compiled step with its views on one base and their sizes static
+    (:func:`_static_views_on_one_base`), and on the decode fast path writes the new tokens into their pages
+    (:func:`write_decode_tokens`; see the module docstring)."""
     breakdown, init = cache.get_device_and_memory_breakdown, cache.PagedAttentionCache.__init__
     if getattr(init, "_hf_tpu", False):
         return
@@ -164,8 +165,7 @@ def _install_tpu_paged_cache(cache: Any) -> None:
             init(self, config, continuous_batching_config, device, *args, **kwargs)
         finally:
             _SIZED_FOR.reset(sizing)
-        _views_on_one_base(self)
-        _mark_static(self)
+        _static_views_on_one_base(self)
 
     # a method of the class, not of each tpu cache: Dynamo's caching precompile saves a bound method of an instance
     # (a guard's value) only when the instance's attribute of its name is that method
@@ -190,13 +190,19 @@ _VIEW_TABLES = ("_kv_token_views", "_kv_page_views", "_latent_token_views")
 """The allocators' views of the cache a step reads and writes, per layer (full and sliding attention; latents)."""
 
 
-def _views_on_one_base(cache: Any) -> None:
-    """Makes every allocator's views of the cache views of one tensor. Each allocator views the cache's bytes as
-    its dtype (``Tensor.view(dtype)``, which torch does not count as a view: the result is a base of its own), so
-    the views of a model with two kinds of layers (Gemma 2's, GPT-OSS's sliding and full attention) had two
-    bases; a step that writes both in one graph was refused by AOTAutograd ("does not yet handle non-differentiable
-    view input mutations ... ._base fields that point to different tensors") and the run failed. Views of one base
-    are inputs it handles (the layers of one allocator always were)."""
+def _static_views_on_one_base(cache: Any) -> None:
+    """Makes every allocator's views of the cache views of one tensor, and Dynamo's static inputs.
+
+    One tensor: each allocator views the cache's bytes as its dtype (``Tensor.view(dtype)``, which torch does not
+    count as a view: the result is a base of its own), so the views of a model with two kinds of layers (Gemma 2's,
+    GPT-OSS's sliding and full attention) had two bases; a step that writes both in one graph was refused by
+    AOTAutograd ("does not yet handle non-differentiable view input mutations ... ._base fields that point to
+    different tensors") and the run failed. Views of one base are inputs it handles (the layers of one allocator
+    always were).
+
+    Static: their sizes never change, and as symbols (the steps compile with ``dynamic=True``) a batch's size equal
+    to one of them at the first trace (64 requests, a head dimension of 64) would share its symbol, be specialized
+    with it, and cost the step another graph at the next size."""
     bases: dict[torch.dtype, torch.Tensor] = {}
 
     def on_one_base(view: torch.Tensor) -> torch.Tensor:
@@ -212,17 +218,8 @@ def _views_on_one_base(cache: Any) -> None:
             views = getattr(allocator, table, {})
             for layer_index, pair in views.items():
                 views[layer_index] = tuple(map(on_one_base, pair))
-
-
-def _mark_static(cache: Any) -> None:
-    """The cache's tensors as Dynamo's static inputs: their sizes never change, and as symbols (the steps compile
-    with ``dynamic=True``) a batch's size equal to one of them at the first trace (64 requests, a head dimension
-    of 64) would share its symbol, be specialized with it, and cost the step another graph at the next size."""
-    for allocator in cache.cache_allocators.values():
-        for table in _VIEW_TABLES:
-            for pair in getattr(allocator, table, {}).values():
-                for tensor in pair:
-                    torch._dynamo.mark_static(tensor)
+                for view in views[layer_index]:
+                    torch._dynamo.mark_static(view)
 
 
 def _install_default_share(initialization: Any) -> None:
