@@ -64,16 +64,20 @@ from _report import report
 NEW_TOKENS = 64
 
 
-def build_model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=1376, vocab_size=8192, max_position_embeddings=256, tie_word_embeddings=False,
-    )
+def decoding_model(model_class: type, config) -> torch.nn.Module:
+    """``model_class(config)`` from seed 0, set to decode all ``NEW_TOKENS`` of every call."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(config).eval()
     model.generation_config.eos_token_id = None  # random weights: always decode all 64 tokens
     model.generation_config.pad_token_id = 0
     return model
+
+
+def build_model() -> LlamaForCausalLM:
+    return decoding_model(LlamaForCausalLM, LlamaConfig(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=1376, vocab_size=8192, max_position_embeddings=256, tie_word_embeddings=False,
+    ))
 
 
 def timed(run, repeats: int) -> tuple[float, list[int]]:

@@ -71,6 +71,7 @@ BENCHMARKS = [
     # --skip-inductor: Inductor's cold compile of the decode step takes minutes on a small host; the headline
     # figures are tpu against the hand-written JAX decoder (the README's runs skip it too)
     Benchmark("decode", ("--skip-inductor",), ("--skip-inductor", "--repeats", "1"), timeout=900),
+    Benchmark("sliding_window_decode", quick=("--repeats", "1"), timeout=900),
     Benchmark("fused_eager", quick=("--chain", "50", "--repeats", "2", "--steps", "20"), timeout=900),
     Benchmark("compile_time", quick=("--warm-runs", "1"), timeout=600),
     Benchmark("first_generate", quick=("--runs", "1"), timeout=900),

@@ -11,6 +11,7 @@ import torch
 
 import transformers
 from conftest import tiny_llama, to_tpu
+from hf_tpu.compile import compile_stats
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -63,22 +64,37 @@ def test_decode_steps_build_their_mask_in_the_compiled_step(monkeypatch, padded,
     assert len(builds) == 1  # the prefill's, in its eager forward; none per decode step
 
 
-def test_a_sliding_window_cache_keeps_transformers_masks(monkeypatch):
-    """A sliding layer's mask size follows a Python count that changes every step: built outside, as upstream."""
-    config = transformers.MistralConfig(
+def test_a_cache_with_sliding_window_layers_decodes_in_one_program(monkeypatch):
+    """A sliding-window layer picks its write and its mask's offset from a Python count that changes every step;
+    in the one-program loop it takes them from the step's position (hf_tpu/compile/sliding_window.py). A tiny
+    Gemma 2 (sliding, full) with a window of 4, a left-padded batch whose longer prompt (7) overflows the window:
+    greedy and beam search give CPU's tokens, the cache ends as CPU's, and no mask is built eagerly per step."""
+    config = transformers.Gemma2Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=4, pad_token_id=0,
     )
     torch.manual_seed(0)
-    cpu_model = transformers.MistralForCausalLM(config).eval()
+    cpu_model = transformers.Gemma2ForCausalLM(config).eval()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
-    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(2))
-    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
-    expected = cpu_model.generate(prompt, **options)
+    prompt, mask = _padded_batch()
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
+    expected = cpu_model.generate(prompt, attention_mask=mask, return_dict_in_generate=True, **options)
     builds = _eager_mask_builds(monkeypatch)
-    result = tpu_model.generate(to_tpu(prompt), cache_implementation="static", **options)
-    assert result.cpu().tolist() == expected.tolist()
-    assert len(builds) >= NEW_TOKENS
+    loops = compile_stats()["decode_loops"]
+    result = tpu_model.generate(to_tpu(prompt), attention_mask=to_tpu(mask), return_dict_in_generate=True, **options)
+    assert result.sequences.cpu().tolist() == expected.sequences.tolist()
+    assert compile_stats()["decode_loops"] == loops + 1
+    assert len(builds) <= 2  # the prefill's, and the first step's inputs' (unused)
+    for tpu_layer, cpu_layer in zip(result.cache.layers, expected.cache.layers):
+        assert int(tpu_layer.cumulative_length) == int(cpu_layer.cumulative_length)
+        if cpu_layer.is_sliding:  # a window of the last 4 positions, none of them padding
+            assert tpu_layer.cumulative_length_int == cpu_layer.cumulative_length_int == 7 + NEW_TOKENS - 1
+            torch.testing.assert_close(tpu_layer.keys.cpu(), cpu_layer.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(tpu_layer.values.cpu(), cpu_layer.values, rtol=1e-4, atol=1e-5)
+    beams = dict(options, num_beams=3, num_return_sequences=2)
+    expected = cpu_model.generate(prompt, attention_mask=mask, **beams)
+    assert tpu_model.generate(to_tpu(prompt), attention_mask=to_tpu(mask), **beams).cpu().tolist() == expected.tolist()
+    assert compile_stats()["decode_loops"] == loops + 2
 
 
 def test_cpu_generate_with_a_static_cache_goes_through_the_wrapper_unchanged():

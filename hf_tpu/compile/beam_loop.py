@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..backend import random_state, storage
-from . import decode_loop, decode_processors
+from . import decode_loop, decode_processors, sliding_window
 
 # the beams' state, transformers' names (``cur_len``: the tokens so far; ``going``: its loop's condition)
 _BEAMS = ("running_sequences", "running_beam_scores", "running_beam_indices", "sequences", "beam_scores",
@@ -190,9 +190,9 @@ class _Step(torch.nn.Module):
         eos = inputs.pop(_EOS, None)
         given = decode_loop._form_inputs(self._processors, "processor", inputs)
         criteria_given = decode_loop._form_inputs(self._criteria, "criterion", inputs)
-        logits = decode_loop.step_logits(self.model, self._cache, self._cache_key, self._constants, arguments,
-                                         dict(inputs), self._encoder_output_type)
         cur_len = beams["cur_len"]
+        logits = decode_loop.step_logits(self.model, self._cache, self._cache_key, self._constants, arguments,
+                                         dict(inputs), self._encoder_output_type, cur_len - 1)
 
         def stop(sequences: torch.Tensor) -> torch.Tensor:
             """transformers' criteria on the continuations: the maximum length, the end-of-sequence tokens, the
@@ -289,6 +289,7 @@ def search(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
             and all(map(decode_processors.runs_in_the_loop, criteria))):
         raise NotImplementedError("a logits processor or stopping criterion is of a kind the loop does not run")
     tensors, constants, encoder_output_type = decode_loop.split_inputs(step_inputs, cache_key)
+    sliding_window.check_position(decode_loop._layers(cache), sequences.shape[-1])
     processors = decode_processors.as_run(processors, sequences, max_length)
     criteria = decode_processors.as_run(criteria, sequences, max_length)
     tensors.update(beams)

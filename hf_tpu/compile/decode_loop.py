@@ -4,7 +4,8 @@ transformers' ``generate`` runs one compiled decode step per token and, around i
 processors, argmax or a draw, padding of finished rows, appending the token, the stopping criteria, the mask) and a
 read of the stopping flag. On tpu each of those is a dispatch from Python, and that host work, not the chip, bounds
 tokens/s. For greedy decoding and sampling from a static cache of full-attention layers (an encoder-decoder model's
-pair of them, the cross-attention half written by the prefill), with logits processors and stopping criteria
+pair of them, the cross-attention half written by the prefill; a decoder's may hold sliding-window layers too:
+:mod:`hf_tpu.compile.sliding_window`), with logits processors and stopping criteria
 that read the scores, the tokens so far and their count (:mod:`hf_tpu.compile.decode_processors`), :func:`decode`
 runs every step after the first token as one program: the
 model's decode step and the token's choice, traced as AOTAutograd traces graph mode's graphs and lowered by graph
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from ..backend import checks, dispatch, dtypes, random_state, runtime, storage
-from . import decode_processors, graph_lowering
+from . import decode_processors, graph_lowering, sliding_window
 from .stats import count
 
 _PROGRAMS_PER_MODEL = 8
@@ -149,7 +150,7 @@ class _Step(torch.nn.Module):
         given = _form_inputs(self._processors, "processor", inputs)
         criteria_given = _form_inputs(self._criteria, "criterion", inputs)
         logits = step_logits(self.model, self._cache, self._cache_key, self._constants, arguments, inputs,
-                             self._encoder_output_type)
+                             self._encoder_output_type, None if length is None else length - 1)
         chosen = next_tokens(logits, lambda scores: decode_processors.process(
             self._processors, tokens, scores, length, given), self._do_sample)
         stopped = ()
@@ -162,17 +163,21 @@ class _Step(torch.nn.Module):
 
 
 def step_logits(model: torch.nn.Module, cache: Any, cache_key: str, constants: dict,
-                arguments: Sequence[torch.Tensor], inputs: dict, encoder_output_type: type | None) -> torch.Tensor:
+                arguments: Sequence[torch.Tensor], inputs: dict, encoder_output_type: type | None,
+                position: torch.Tensor | None = None) -> torch.Tensor:
     """The logits of the model's forward on ``inputs`` with the cache's layers' keys, values and lengths taken from
     the first of a step's ``arguments`` (the cache is left as it was); an encoder-decoder model's
-    ``encoder_outputs`` come in as their last hidden state and go to the model as ``encoder_output_type``."""
-    layers = len(_layers(cache))
+    ``encoder_outputs`` come in as their last hidden state and go to the model as ``encoder_output_type``.
+    ``position``: the step's token's (a 0-dim tensor), which the cache's sliding-window layers need
+    (:mod:`~hf_tpu.compile.sliding_window`)."""
+    layers = _layers(cache)
     saved = _layer_state(cache)
     try:
-        _set_layer_state(cache, *(arguments[k * layers:(k + 1) * layers] for k in range(3)))
+        _set_layer_state(cache, *(arguments[k * len(layers):(k + 1) * len(layers)] for k in range(3)))
         if encoder_output_type is not None:
             inputs[_ENCODER] = encoder_output_type(last_hidden_state=inputs[_ENCODER])
-        return model(**inputs, **{cache_key: cache}, **constants).logits
+        with sliding_window.at_position(layers, position):
+            return model(**inputs, **{cache_key: cache}, **constants).logits
     finally:
         _set_layer_state(cache, *saved)
 
@@ -181,6 +186,16 @@ def _token_name(inputs: Any) -> str:
     """The step's input that holds the token: a decoder's ``input_ids``, an encoder-decoder's
     ``decoder_input_ids``."""
     return "decoder_input_ids" if "decoder_input_ids" in inputs else "input_ids"
+
+
+CACHE_LENGTH = "_hf_tpu_cache_length"  # on a static cache generate made on tpu: the length it was made with
+
+
+def cache_length(cache: Any) -> int:
+    """The positions a decoder's static cache holds (an encoder-decoder cache's self-attention half's): the length
+    generate made it with (``CACHE_LENGTH``), else its longest layer's (sliding-window layers may hold fewer)."""
+    own = getattr(cache, "self_attention_cache", cache)
+    return getattr(own, CACHE_LENGTH, None) or max(layer.max_cache_len for layer in own.layers)
 
 
 def _layers(cache: Any) -> list:
@@ -264,7 +279,7 @@ class TracedStep:
                          for name in signature.user_outputs]
         self._draws = draws
         self._function = graph.pure_function(fold_constants=False, draws=draws)
-        self._capacity = _layers(cache)[0].max_cache_len
+        self._capacity = cache_length(cache)
 
     def weights(self, model: torch.nn.Module) -> list[torch.Tensor]:
         """The program's weights: the model's parameters and buffers now (they may have been updated in place
@@ -334,6 +349,7 @@ class TracedStep:
         count("decode_loops")
         steps = int(steps)
         random_state.advance(device_index, steps * self._draws)
+        sliding_window.advance(_layers(cache), steps)
         return steps
 
 
@@ -549,9 +565,11 @@ def decode(model: torch.nn.Module, cache: Any, cache_key: str, step_inputs: dict
     processors = decode_processors.as_run(processors, sequences, max_length)
     criteria = decode_processors.as_run([criterion for criterion in criteria
                                          if decode_processors.runs_in_the_loop(criterion)], sequences, max_length)
+    sliding_window.check_position(_layers(cache), sequences.shape[1] - 1)
     if criteria or any(isinstance(processor, decode_processors.LoopProcessor) for processor in processors):
         # as wide as the cache (bucketed), not as the prompt plus the new tokens: one program for every prompt length
-        tensors[_TOKENS] = torch.nn.functional.pad(sequences, (0, _layers(cache)[0].max_cache_len - sequences.shape[1]))
+        tensors[_TOKENS] = torch.nn.functional.pad(sequences, (0, cache_length(cache) - sequences.shape[1]))
+    if _TOKENS in tensors or sliding_window.layers_of(_layers(cache)):
         tensors[_LENGTH] = torch.tensor(sequences.shape[1], device=sequences.device)
     add_form_inputs(tensors, processors, criteria)
     choosing = decode_processors.key(processors), do_sample, decode_processors.key(criteria)

@@ -27,10 +27,11 @@ sixth of a decode step's host time on tpu. When every layer of the cache is a fu
 mask size is the fixed cache length, the step gets the 2D mask padded to that length instead (zeros, as
 transformers pads it), and the model's forward builds the same 4D mask from it inside the compiled graph, where it
 costs nothing per token. Sliding-window layers size their masks from a Python count that changes every step, so
-their masks stay outside.
+in transformers' loop their masks stay outside.
 
-Decoding from such a cache, greedy or sampled, runs every step after the prefill as one program on tpu
-(:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
+Decoding from a static cache that generate made, of full-attention layers (and for a decoder, sliding-window
+layers: :mod:`hf_tpu.compile.sliding_window`), greedy or sampled, runs every step after the prefill as one program
+on tpu (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
 hands the loop to that program (decoder-only and encoder-decoder models), or, for what it does not serve (logits
 processors it does not run, per-step attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``),
 runs transformers' own. Either way the
@@ -42,8 +43,8 @@ Dynamo nor XLA compiles again. Beam search from such a cache runs the same way (
 Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
 ``GenerationMixin._sample``, ``GenerationMixin._beam_search``, ``DeferredStopCheck`` (``is_supported``,
 ``__init__``) and the ``create_masks_for_generate`` that ``prepare_inputs_for_generation`` calls, of
-``transformers/generation/utils.py``, and ``StaticLayer.lazy_initialization`` of
-``transformers/cache_utils.py`` (transformers 5.x).
+``transformers/generation/utils.py``, ``StaticLayer.lazy_initialization`` of ``transformers/cache_utils.py``,
+and ``_preprocess_mask_arguments`` of ``transformers/masking_utils.py`` (transformers 5.x).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from typing import Any
 
 import torch
 
-from . import when_imported
+from . import traced_by_dynamo, when_imported
 
 _SMALLEST = 64
 _LARGEST_POWER_OF_TWO = 2048
@@ -91,7 +92,10 @@ def trim_to_visible_length(cache: Any) -> tuple[int, int] | None:
             layer.keys = layer.keys[:, :, :length]
             layer.values = layer.values[:, :, :length]
         layer.max_cache_len = length
+    from ..compile import decode_loop
+
     delattr(cache, _VISIBLE)
+    cache.__dict__.pop(decode_loop.CACHE_LENGTH, None)
     return bucketed, length
 
 
@@ -242,6 +246,30 @@ def _install_in_graph_decode_mask(module: Any) -> None:
     module.create_masks_for_generate = create_masks_for_generate
 
 
+def _install_sliding_window_masks(masking_utils: Any) -> None:
+    upstream = masking_utils._preprocess_mask_arguments
+    if getattr(upstream, "_hf_tpu", False):
+        return
+
+    @functools.wraps(upstream)
+    def preprocess_mask_arguments(config: Any, inputs_embeds: torch.Tensor, attention_mask: Any, cache: Any,
+                                  *args: Any, **kwargs: Any) -> tuple:
+        """Upstream's sizes of a mask, except over a sliding-window layer whose decode step a one-program loop is
+        tracing (``hf_tpu.compile.sliding_window.slot_mask_arguments``); Dynamo, which never traces such a step,
+        sees upstream's alone."""
+        arguments = upstream(config, inputs_embeds, attention_mask, cache, *args, **kwargs)
+        if torch.compiler.is_dynamo_compiling() or cache is None:
+            return arguments
+        from ..compile import sliding_window
+
+        layer_idx = kwargs["layer_idx"] if "layer_idx" in kwargs else args[1] if len(args) > 1 else None
+        return sliding_window.slot_mask_arguments(arguments, cache, layer_idx)
+
+    preprocess_mask_arguments = traced_by_dynamo(preprocess_mask_arguments)
+    preprocess_mask_arguments._hf_tpu = True
+    masking_utils._preprocess_mask_arguments = preprocess_mask_arguments
+
+
 # the tensors among a decode step's inputs that the one-program loop knows how to carry from step to step
 _STEP_TENSORS = ("input_ids", "decoder_input_ids", "attention_mask", "position_ids")
 
@@ -267,15 +295,17 @@ def _kept_step_outputs(generation_config: Any) -> tuple[str, ...]:
                  if generation_config.return_dict_in_generate and getattr(generation_config, option))
 
 
-def _decoder_static_cache(cache: Any) -> Any:
+def _decoder_static_cache(cache: Any, sliding: bool = False) -> Any:
     """The static cache generate decodes with: a decoder's ``StaticCache``, or the self-attention half of an
     ``EncoderDecoderCache`` of two (the cross-attention half written by the prefill, read by each step); ``None``
-    for any other cache, or one with layers other than full-attention ``StaticLayer``s."""
-    from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer
+    for any other cache, or one with layers other than full-attention ``StaticLayer``s (or, if ``sliding``, a
+    decoder's sliding-window layers: ``StaticSlidingWindowLayer``)."""
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache, StaticLayer, StaticSlidingWindowLayer
 
-    halves = (cache.self_attention_cache, cache.cross_attention_cache) if type(cache) is EncoderDecoderCache \
-        else (cache,)
-    if any(type(half) is not StaticCache or any(type(layer) is not StaticLayer for layer in half.layers)
+    encoder_decoder = type(cache) is EncoderDecoderCache
+    halves = (cache.self_attention_cache, cache.cross_attention_cache) if encoder_decoder else (cache,)
+    kinds = (StaticLayer,) if encoder_decoder or not sliding else (StaticLayer, StaticSlidingWindowLayer)
+    if any(type(half) is not StaticCache or any(type(layer) not in kinds for layer in half.layers)
            for half in halves):
         return None
     return halves[0]
@@ -293,7 +323,7 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
 
     cache_key = next((name for name in ("cache", "past_key_values") if name in model_kwargs), None)
     cache = model_kwargs.get(cache_key)
-    decoder_cache = _decoder_static_cache(cache) if cache is not None else None
+    decoder_cache = _decoder_static_cache(cache, sliding=True) if cache is not None else None
     if (
         input_ids.device.type != "tpu" or synced_gpus
         or (generation_config.return_dict_in_generate and any(getattr(generation_config, name) for name in _OUTPUTS))
@@ -301,7 +331,9 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
         or not decode_loop.runs_in_the_loop(logits_processor, stopping_criteria)
         or decoder_cache is None or getattr(cache, "_is_user_defined", False)
         or stopping_criteria.max_length is None
-        or any(layer.max_cache_len < stopping_criteria.max_length for layer in decoder_cache.layers)
+        or decode_loop.cache_length(decoder_cache) < stopping_criteria.max_length
+        or any(layer.max_cache_len < stopping_criteria.max_length for layer in decoder_cache.layers
+               if not getattr(layer, "is_sliding", False))
         or any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items() if name not in _STEP_TENSORS)
         or getattr(model_kwargs.get("attention_mask"), "ndim", 2) != 2
         or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
@@ -338,17 +370,35 @@ def _check_step_inputs(step_inputs: dict, cache: Any, cache_key: str, encoder_de
     """Raises ``NotImplementedError`` unless a decode step's model inputs are what the one-program loops carry
     from step to step: a token, maybe positions and a 2D mask of the cache's length (an encoder-decoder's: the
     encoder's), and the cache."""
+    from ..compile import decode_loop
+
     mask = step_inputs.get("attention_mask")
     # a decoder's mask covers the cache and grows by a column a step; an encoder-decoder's is the encoder's
-    mask_length = step_inputs["encoder_outputs"][0].shape[1] if encoder_decoder else \
-        _decoder_static_cache(cache).layers[0].max_cache_len
+    mask_length = step_inputs["encoder_outputs"][0].shape[1] if encoder_decoder else decode_loop.cache_length(cache)
     if (
         step_inputs.get(cache_key) is not cache
-        or (mask is not None and (mask.ndim != 2 or mask.shape[-1] != mask_length))
+        or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.ndim != 2
+                                  or mask.shape[-1] != mask_length))
         or any(isinstance(value, torch.Tensor) for name, value in step_inputs.items() if name not in _STEP_TENSORS)
         or not isinstance(step_inputs.get("decoder_input_ids" if encoder_decoder else "input_ids"), torch.Tensor)
     ):
         raise NotImplementedError("its inputs are not a token, positions and a 2D mask of the cache's length")
+
+
+def _loop_step_inputs(model: Any, sequences: torch.Tensor, cache: Any, kwargs: dict) -> dict:
+    """The first decode step's model inputs, as the one-program loops carry them: ``prepare_inputs_for_generation``'s,
+    but for a cache with sliding-window layers, whose masks transformers builds before each step from the layers'
+    counts, with the 2D mask padded to the cache's length, from which each step builds them
+    (:mod:`hf_tpu.compile.sliding_window`)."""
+    from ..compile import decode_loop, sliding_window
+
+    step_inputs = model.prepare_inputs_for_generation(sequences, next_sequence_length=1, **kwargs)
+    step_inputs["return_dict"] = True
+    mask = kwargs.get("attention_mask")
+    if sliding_window.layers_of(_static_cache(cache).layers) and (mask is None or mask.ndim == 2):
+        step_inputs["attention_mask"] = None if mask is None else torch.nn.functional.pad(
+            mask, (0, decode_loop.cache_length(cache) - mask.shape[-1]))
+    return step_inputs
 
 
 def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: torch.Tensor, logits_processor: Any,
@@ -388,8 +438,7 @@ def _decode_in_one_program(model: Any, sample: Any, cache_key: str, input_ids: t
     del chosen
     sequences = torch.cat([input_ids, token[:, None]], dim=-1)
     unfinished = ~stopping_criteria(sequences, None)
-    step_inputs = model.prepare_inputs_for_generation(sequences, next_sequence_length=1, **kwargs)
-    step_inputs["return_dict"] = True
+    step_inputs = _loop_step_inputs(model, sequences, cache, kwargs)
     try:
         _check_step_inputs(step_inputs, cache, cache_key, encoder_decoder)
         with model._optimize_model_for_decode():
@@ -485,7 +534,7 @@ def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, i
     fill = pad_token_id or eos_token_id[0] if eos_token_id is not None else -1  # transformers' output_fill_value
     settings = beam_loop.Settings.of(generation_config, input_ids.shape[0], eos_token_id)
     prompt_length = input_ids.shape[1]
-    beams = beam_loop.start(input_ids, settings, _decoder_static_cache(cache).layers[0].max_cache_len, int(fill),
+    beams = beam_loop.start(input_ids, settings, decode_loop.cache_length(cache), int(fill),
                             generation_config.max_length)
     outputs = model._prefill(input_ids, generation_config, kwargs, is_first_iteration=True)
     encoder_decoder = model.config.is_encoder_decoder
@@ -498,8 +547,7 @@ def _search_beams_in_one_program(model: Any, beam_search: Any, cache_key: str, i
     kept = _kept_step_outputs(generation_config)
     beam_loop.reorder(cache, beam_idx)
     running = model._flatten_beam_dim(beams["running_sequences"][:, :, :prompt_length + 1])
-    step_inputs = model.prepare_inputs_for_generation(running, next_sequence_length=1, **kwargs)
-    step_inputs["return_dict"] = True
+    step_inputs = _loop_step_inputs(model, running, cache, kwargs)
     criteria = [criterion for criterion in stopping_criteria
                 if not isinstance(criterion, (EosTokenCriteria, MaxLengthCriteria))]
     try:
@@ -540,9 +588,10 @@ def _install_beam_search_in_one_program(mixin: Any) -> None:
 
 def install(module: Any) -> None:
     """Wraps ``_prepare_cache_for_generation``, ``generate``, ``_sample``, ``_beam_search``, ``DeferredStopCheck`` and
-    ``create_masks_for_generate`` of ``transformers.generation.utils`` and the static cache's
-    ``lazy_initialization``."""
+    ``create_masks_for_generate`` of ``transformers.generation.utils``, the static cache's ``lazy_initialization``
+    and ``masking_utils._preprocess_mask_arguments``."""
     when_imported("transformers.cache_utils", _install_sharded_static_cache)
+    when_imported("transformers.masking_utils", _install_sliding_window_masks)
     if hasattr(module, "DeferredStopCheck"):
         _install_deferred_stop_check(module.DeferredStopCheck)
     if hasattr(module, "create_masks_for_generate"):
@@ -574,7 +623,10 @@ def install(module: Any) -> None:
         result = prepare(self, generation_config, model_kwargs, generation_mode, batch_size, length, *args, **kwargs)
         cache = model_kwargs.get("cache")
         if cache is not None:
+            from ..compile import decode_loop
+
             setattr(_static_cache(cache), _VISIBLE, visible)
+            setattr(_static_cache(cache), decode_loop.CACHE_LENGTH, length)
         return result
 
     @functools.wraps(generate)
