@@ -253,8 +253,9 @@ def _sampled(model, prompt, mask=None, seed=3, **options):
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["at_once", "streamed"])
 @pytest.mark.parametrize("processors", [dict(top_k=20, top_p=0.9, temperature=0.8),
-                                        dict(top_k=0, min_p=0.05, remove_invalid_values=True, renormalize_logits=True)],
-                         ids=["top_k_top_p_temperature", "min_p_renormalized"])
+                                        dict(top_k=0, min_p=0.05, eta_cutoff=0.05, remove_invalid_values=True,
+                                             renormalize_logits=True)],
+                         ids=["top_k_top_p_temperature", "min_p_eta_renormalized"])
 def test_sampling_draws_what_transformers_loop_draws(models, monkeypatch, processors, streamed):
     """The loop draws each token with the key transformers' loop would draw it with, and leaves the random stream
     where that loop leaves it (streamed: a program run per 8 tokens, each going on from the last's keys)."""

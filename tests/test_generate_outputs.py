@@ -98,6 +98,20 @@ def test_encoder_decoder_decodes_in_one_program_as_on_cpu(padded):
     assert compile_stats()["decode_loops"] == 1
 
 
+def test_an_encoder_decoders_settings_that_read_its_prompt_are_kept_in_the_one_program():
+    """``encoder_no_repeat_ngram_size`` (transformers looks the last tokens up among the prompt's n-grams on the
+    host every step) and ``encoder_repetition_penalty`` run inside the loop: CPU's tokens, which they change."""
+    from hf_tpu.compile import compile_stats
+
+    model = tiny_t5()
+    prompt = torch.randint(2, 99, (2, 9), generator=torch.Generator().manual_seed(2))
+    options = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", return_dict_in_generate=True)
+    settings = dict(encoder_no_repeat_ngram_size=2, encoder_repetition_penalty=3.0)
+    _, expected = _compare_generate(model, prompt, **options, **settings)
+    assert expected.sequences.tolist() != model.generate(prompt, **options).sequences.tolist()
+    assert compile_stats()["decode_loops"] == 1
+
+
 def _tiny_bart():
     config = transformers.BartConfig(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2,
                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37,

@@ -9,8 +9,8 @@ Processors that read the scores alone (temperature, top-k, top-p, ...) run as th
 
 Left to transformers' step-by-step loop (the loop's caller falls back for them): ``PrefixConstrainedLogitsProcessor``
 calls Python with each row's tokens every step; the watermarking processors hash the tokens on the host; classifier-free
-guidance runs a second forward per step; the encoder-repetition processors and Whisper's and Bark's and Dia's read
-model-specific state; ``MaxTimeCriteria`` reads the wall clock.
+guidance runs a second forward per step; Whisper's and Bark's and Dia's processors read model-specific state;
+``MaxTimeCriteria`` reads the wall clock.
 """
 
 from __future__ import annotations
@@ -253,6 +253,80 @@ class SuppressTokens(LoopProcessor):
 
     def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
         return torch.where(_vocabulary_mask(scores, self.tokens), -float("inf"), scores)
+
+
+@loop_form("EtaLogitsWarper")
+class EtaCutoff(LoopProcessor):
+    """``EtaLogitsWarper`` (``eta_cutoff``): a token whose probability is under ``min(epsilon, sqrt(epsilon) *
+    exp(-entropy))`` takes the filter value, unless it is among the ``min_tokens_to_keep`` most likely. It reads
+    the scores alone, but holds ``epsilon`` as a tensor, a number here (in float32, as transformers' tensor holds
+    it), and checks the distribution's argument by reading the device, which the trace does not."""
+
+    def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
+        self.epsilon = float(processor.epsilon)
+        self.filter_value = float(processor.filter_value)
+        self.min_tokens_to_keep = int(processor.min_tokens_to_keep)
+
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        epsilon = torch.tensor(self.epsilon, dtype=torch.float32, device=scores.device)
+        probabilities = scores.softmax(dim=-1)
+        entropy = torch.distributions.Categorical(logits=scores, validate_args=False).entropy()
+        eta = torch.min(epsilon, torch.sqrt(epsilon) * torch.exp(-entropy))[..., None]
+        kept = min(self.min_tokens_to_keep, scores.size(-1))
+        removed = (probabilities < eta) & (scores < torch.topk(scores, kept)[0][..., -1, None])
+        return scores.masked_fill(removed, self.filter_value)
+
+
+@loop_form("EncoderRepetitionPenaltyLogitsProcessor")
+class EncoderRepetitionPenalty(LoopProcessor):
+    """``EncoderRepetitionPenaltyLogitsProcessor`` (``encoder_repetition_penalty``): the prompt's tokens (the
+    encoder's, for an encoder-decoder model) have their scores multiplied by the penalty (divided, if negative).
+    Those tokens are an input of the step, widened to a power of two (64 at least) with each row's first token
+    (written again, to the same score), so that one program serves prompts of many lengths."""
+
+    def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
+        self.penalty = float(processor.penalty)  # the inverse of the setting, as transformers holds it
+        prompt = processor.encoder_input_ids.to(sequences.device)
+        width = max(64, 1 << (prompt.shape[1] - 1).bit_length())
+        self.inputs = {"prompt": torch.cat([prompt, prompt[:, :1].expand(-1, width - prompt.shape[1])], dim=1)}
+
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
+                 prompt: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] > prompt.shape[0]:  # beams: each prompt's rows
+            prompt = prompt.repeat_interleave(scores.shape[0] // prompt.shape[0], dim=0)
+        score = torch.gather(scores, 1, prompt)
+        score = torch.where(score < 0, score * self.penalty, score / self.penalty)
+        return scores.scatter(1, prompt, score)
+
+
+@loop_form("EncoderNoRepeatNGramLogitsProcessor")
+class EncoderNoRepeatNGram(LoopProcessor):
+    """``EncoderNoRepeatNGramLogitsProcessor`` (``encoder_no_repeat_ngram_size``): a token that would complete an
+    n-gram of the encoder's input scores -inf. transformers keeps each prompt's n-grams in a dictionary and looks
+    up each row's last tokens in it on the host every step; here they are an input of the step, ``(prompts,
+    n-grams, n)``, widened to a power of two (64 at least) with n-grams of -1 that match nothing."""
+
+    def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
+        self.ngram_size = processor.ngram_size
+        rows = [[(*prefix, token) for prefix, tokens in ngrams.items() for token in tokens]
+                for ngrams in processor.generated_ngrams]
+        count = max(64, 1 << (max(map(len, rows)) - 1).bit_length())
+        filler = (-1,) * self.ngram_size
+        self.inputs = {"ngrams": torch.tensor([row + [filler] * (count - len(row)) for row in rows],
+                                              dtype=torch.int64, device=sequences.device)}
+
+    def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
+                 ngrams: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] > ngrams.shape[0]:  # beams: each prompt's rows
+            ngrams = ngrams.repeat_interleave(scores.shape[0] // ngrams.shape[0], dim=0)
+        prefix = _last_columns(tokens, length, self.ngram_size - 1)
+        matches = (ngrams[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & (length >= self.ngram_size - 1)
+        vocabulary_size = scores.shape[-1]
+        last = ngrams[..., -1]
+        banned = scores.new_zeros((scores.shape[0], vocabulary_size + 1), dtype=torch.bool)
+        banned = banned.scatter(1, torch.where(matches & (last >= 0), last.clamp(max=vocabulary_size),
+                                               vocabulary_size), True)
+        return scores.masked_fill(banned[:, :vocabulary_size], -float("inf"))
 
 
 @loop_form("StopStringCriteria")
