@@ -146,6 +146,27 @@ def test_the_cache_handed_back_is_the_one_transformers_loop_leaves(models, monke
         torch.testing.assert_close(mine.values[:, :, :length].cpu(), theirs.values[:, :, :length].cpu())
 
 
+def test_a_static_cache_passed_in_decodes_in_one_program_and_serves_the_next_turn(models):
+    """A ``StaticCache`` the caller made (as transformers' docs make one for compiled decoding) decodes in one
+    program; passed again with the answer and a reply appended, generate prefills the new tokens only and decodes
+    on: CPU's tokens both times, and the cache holds the same positions."""
+    from transformers import StaticCache
+
+    cpu_model, tpu_model = models
+    prompt, mask = _padded_batch()
+    reply = torch.randint(1, 128, (3, 4), generator=torch.Generator().manual_seed(5))
+    turns = {}
+    for model, device in ((cpu_model, "cpu"), (tpu_model, "tpu")):
+        cache = StaticCache(config=model.config, max_cache_len=48)
+        first = _generate(model, prompt.to(device), mask, cache=cache, cache_implementation=None)
+        second = _generate(model, torch.cat([first, reply.to(device)], dim=1),
+                           torch.cat([mask, torch.ones(3, NEW_TOKENS + 4, dtype=mask.dtype)], dim=1), cache=cache,
+                           cache_implementation=None)
+        turns[device] = (first.cpu().tolist(), second.cpu().tolist(), int(cache.get_seq_length()))
+    assert turns["tpu"] == turns["cpu"]
+    assert compile_stats()["decode_loops"] == 2
+
+
 @pytest.mark.parametrize("options", [dict(prefix_allowed_tokens_fn=lambda row, tokens: list(range(64))),
                                      dict(max_time=600.0), dict(return_dict_in_generate=True, output_attentions=True)],
                          ids=["python_callback_processor", "wall_clock_criterion", "attentions"])

@@ -29,16 +29,16 @@ transformers pads it), and the model's forward builds the same 4D mask from it i
 costs nothing per token. Sliding-window layers size their masks from a Python count that changes every step, so
 in transformers' loop their masks stay outside.
 
-Decoding from a static cache that generate made, of full-attention layers (and for a decoder, sliding-window
-layers: :mod:`hf_tpu.compile.sliding_window`), greedy or sampled, runs every step after the prefill as one program
-on tpu (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token as transformers does, then
-hands the loop to that program (decoder-only and encoder-decoder models), or, for what it does not serve (logits
-processors it does not run, per-step attentions and hidden states, other caches, ``HF_TPU_STEPWISE_DECODE=1``),
-runs transformers' own. Either way the
-model gets transformers' compiled forward (``model._compiled_call``, from ``get_compiled_call``) as it does on any
-device, and a later ``generate`` whose prompt is shorter reuses the program (the cache's bucket is the same): neither
-Dynamo nor XLA compiles again. Beam search from such a cache runs the same way (:mod:`hf_tpu.compile.beam_loop`):
-``_beam_search`` does the prefill and the first token's bookkeeping, then hands every later step to one program.
+Decoding from a static cache (generate's, or a ``StaticCache`` the caller passed) of full-attention layers (and for
+a decoder, sliding-window layers: :mod:`hf_tpu.compile.sliding_window`), greedy or sampled, runs every step after
+the prefill as one program on tpu (:mod:`hf_tpu.compile.decode_loop`): ``_sample`` does the prefill and first token
+as transformers does, then hands the loop to that program (decoder-only and encoder-decoder models), or, for what it
+does not serve (logits processors it does not run, per-step attentions and hidden states, other caches,
+``HF_TPU_STEPWISE_DECODE=1``), runs transformers' own. Either way the model gets transformers' compiled forward
+(``model._compiled_call``, from ``get_compiled_call``) as it does on any device, and a later ``generate`` whose
+prompt is shorter reuses the program (the cache's bucket is the same): neither Dynamo nor XLA compiles again. Beam
+search from such a cache runs the same way (:mod:`hf_tpu.compile.beam_loop`): ``_beam_search`` does the prefill and
+the first token's bookkeeping, then hands every later step to one program.
 
 Patches ``GenerationMixin._prepare_cache_for_generation``, ``GenerationMixin.generate``,
 ``GenerationMixin._sample``, ``GenerationMixin._beam_search``, ``DeferredStopCheck`` (``is_supported``,
@@ -315,8 +315,8 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
                            generation_config: Any, synced_gpus: bool, model_kwargs: dict) -> str | None:
     """The key of the cache in ``model_kwargs`` when ``_sample`` can decode after the prefill as one program
     (:mod:`hf_tpu.compile.decode_loop`): greedy or sampling, on one chip or a mesh, from a static cache of
-    full-attention layers that generate made (not the caller's; an encoder-decoder's pair of them), which generate
-    would compile the step for;
+    full-attention layers (a decoder's may hold sliding-window layers; an encoder-decoder's pair of them), generate's
+    or the caller's, long enough for the generation, which generate would compile the step for;
     logits processors and stopping criteria the loop runs (:mod:`hf_tpu.compile.decode_processors`), the sequences
     (and with ``return_dict_in_generate`` the cache and maybe each step's scores and logits) as the result."""
     from ..compile import decode_loop
@@ -329,7 +329,7 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
         or (generation_config.return_dict_in_generate and any(getattr(generation_config, name) for name in _OUTPUTS))
         or getattr(generation_config, "is_assistant", False)
         or not decode_loop.runs_in_the_loop(logits_processor, stopping_criteria)
-        or decoder_cache is None or getattr(cache, "_is_user_defined", False)
+        or decoder_cache is None
         or stopping_criteria.max_length is None
         or decode_loop.cache_length(decoder_cache) < stopping_criteria.max_length
         or any(layer.max_cache_len < stopping_criteria.max_length for layer in decoder_cache.layers
