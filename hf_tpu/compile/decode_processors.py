@@ -74,6 +74,25 @@ def _last_columns(tokens: torch.Tensor, length: torch.Tensor, count: int, before
     return window if before_start is None else torch.where(positions >= 0, window, before_start)
 
 
+def _banned(scores: torch.Tensor, tokens: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``scores`` with -inf at each row's ``tokens`` (``(batch, k)``) where ``where`` holds."""
+    vocabulary_size = scores.shape[-1]
+    banned = scores.new_zeros((scores.shape[0], vocabulary_size + 1), dtype=torch.bool)
+    banned = banned.scatter(1, torch.where(where, tokens.clamp(max=vocabulary_size), vocabulary_size), True)
+    return scores.masked_fill(banned[:, :vocabulary_size], -float("inf"))
+
+
+def _widened(count: int) -> int:
+    """How many entries an input of ``count`` is widened to: a power of two, 64 at least, so that one program
+    serves many counts."""
+    return max(64, 1 << (count - 1).bit_length())
+
+
+def _per_row(prompts: torch.Tensor, rows: int) -> torch.Tensor:
+    """A tensor of each prompt's, repeated for each of its ``rows`` (beam search's beams), as transformers does."""
+    return prompts.repeat_interleave(rows // prompts.shape[0], dim=0) if rows > prompts.shape[0] else prompts
+
+
 @loop_form("MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor")
 class MinLength(LoopProcessor):
     """``MinLengthLogitsProcessor`` and ``MinNewTokensLengthLogitsProcessor``: the end-of-sequence tokens' scores
@@ -135,11 +154,7 @@ class NoRepeatNGram(LoopProcessor):
         windows = tokens.unfold(dimension=1, size=size, step=1)
         complete = torch.arange(windows.shape[1], device=tokens.device) + size <= length  # within the tokens so far
         matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & complete
-        vocabulary_size = scores.shape[-1]
-        banned = scores.new_zeros((scores.shape[0], vocabulary_size + 1), dtype=torch.bool)
-        banned = banned.scatter(1, torch.where(matches, windows[..., -1].clamp(max=vocabulary_size),
-                                               vocabulary_size), True)
-        return scores.masked_fill(banned[:, :vocabulary_size], -float("inf"))
+        return _banned(scores, windows[..., -1], matches)
 
 
 @loop_form("SequenceBiasLogitsProcessor", "NoBadWordsLogitsProcessor")
@@ -287,13 +302,12 @@ class EncoderRepetitionPenalty(LoopProcessor):
     def __init__(self, processor: Any, sequences: torch.Tensor, max_length: int) -> None:
         self.penalty = float(processor.penalty)  # the inverse of the setting, as transformers holds it
         prompt = processor.encoder_input_ids.to(sequences.device)
-        width = max(64, 1 << (prompt.shape[1] - 1).bit_length())
-        self.inputs = {"prompt": torch.cat([prompt, prompt[:, :1].expand(-1, width - prompt.shape[1])], dim=1)}
+        filler = prompt[:, :1].expand(-1, _widened(prompt.shape[1]) - prompt.shape[1])
+        self.inputs = {"prompt": torch.cat([prompt, filler], dim=1)}
 
     def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
                  prompt: torch.Tensor) -> torch.Tensor:
-        if scores.shape[0] > prompt.shape[0]:  # beams: each prompt's rows
-            prompt = prompt.repeat_interleave(scores.shape[0] // prompt.shape[0], dim=0)
+        prompt = _per_row(prompt, scores.shape[0])
         score = torch.gather(scores, 1, prompt)
         score = torch.where(score < 0, score * self.penalty, score / self.penalty)
         return scores.scatter(1, prompt, score)
@@ -310,23 +324,17 @@ class EncoderNoRepeatNGram(LoopProcessor):
         self.ngram_size = processor.ngram_size
         rows = [[(*prefix, token) for prefix, tokens in ngrams.items() for token in tokens]
                 for ngrams in processor.generated_ngrams]
-        count = max(64, 1 << (max(map(len, rows)) - 1).bit_length())
+        count = _widened(max(map(len, rows)))
         filler = (-1,) * self.ngram_size
         self.inputs = {"ngrams": torch.tensor([row + [filler] * (count - len(row)) for row in rows],
                                               dtype=torch.int64, device=sequences.device)}
 
     def __call__(self, tokens: torch.Tensor, scores: torch.Tensor, length: torch.Tensor,
                  ngrams: torch.Tensor) -> torch.Tensor:
-        if scores.shape[0] > ngrams.shape[0]:  # beams: each prompt's rows
-            ngrams = ngrams.repeat_interleave(scores.shape[0] // ngrams.shape[0], dim=0)
+        ngrams = _per_row(ngrams, scores.shape[0])
         prefix = _last_columns(tokens, length, self.ngram_size - 1)
         matches = (ngrams[..., :-1] == prefix.unsqueeze(1)).all(dim=-1) & (length >= self.ngram_size - 1)
-        vocabulary_size = scores.shape[-1]
-        last = ngrams[..., -1]
-        banned = scores.new_zeros((scores.shape[0], vocabulary_size + 1), dtype=torch.bool)
-        banned = banned.scatter(1, torch.where(matches & (last >= 0), last.clamp(max=vocabulary_size),
-                                               vocabulary_size), True)
-        return scores.masked_fill(banned[:, :vocabulary_size], -float("inf"))
+        return _banned(scores, ngrams[..., -1], matches & (ngrams[..., -1] >= 0))
 
 
 @loop_form("StopStringCriteria")

@@ -331,9 +331,7 @@ def _one_program_cache_key(model: Any, input_ids: torch.Tensor, logits_processor
         or not decode_loop.runs_in_the_loop(logits_processor, stopping_criteria)
         or decoder_cache is None
         or stopping_criteria.max_length is None
-        or decode_loop.cache_length(decoder_cache) < stopping_criteria.max_length
-        or any(layer.max_cache_len < stopping_criteria.max_length for layer in decoder_cache.layers
-               if not getattr(layer, "is_sliding", False))
+        or decode_loop.cache_length(decoder_cache) < stopping_criteria.max_length  # its full-attention layers' length
         or any(isinstance(value, torch.Tensor) for name, value in model_kwargs.items() if name not in _STEP_TENSORS)
         or getattr(model_kwargs.get("attention_mask"), "ndim", 2) != 2
         or not model._valid_auto_compile_criteria(model_kwargs, generation_config)
